@@ -1,0 +1,69 @@
+# llmesh: two commands do all the set-up on a fresh machine.
+#   make run   - install (CPU build), prepare the default model, start the whole mesh
+#   make test  - install with dev tools, then buf lint, ruff, mypy and the whole pytest suite
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONFIG ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test install install-dev protos model lint typecheck buf-lint pytest clean help
+
+help:
+	@echo "make run    start the mesh on the default model (installs what is missing)"
+	@echo "make test   buf lint, ruff, mypy and the whole pytest suite"
+	@echo "make protos regenerate gRPC stubs from protos/"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Text serving needs neither torchvision, torchaudio nor torchcodec, and PyPI's
+# torchvision fails to load beside the CPU torch build (breaking transformers imports).
+define drop_torch_extras
+	$(PIP) uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+endef
+
+$(VENV)/.installed-cpu: pyproject.toml setup.py | $(PY)
+	$(PIP) install --quiet -e ".[cpu]"
+	$(call drop_torch_extras)
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml setup.py | $(PY)
+	$(PIP) install --quiet -e ".[cpu,dev]"
+	$(call drop_torch_extras)
+	touch $@ $(VENV)/.installed-cpu
+
+install: $(VENV)/.installed-cpu protos
+install-dev: $(VENV)/.installed-dev protos
+
+protos: | $(PY)
+	$(PY) scripts/genprotos.py >/dev/null
+
+model: install
+	$(VENV)/bin/llmesh model prepare
+
+run: model
+	$(VENV)/bin/llmesh up $(if $(CONFIG),--config $(CONFIG))
+
+buf-lint: install-dev
+	$(VENV)/bin/buf lint
+
+lint: install-dev
+	$(VENV)/bin/ruff check .
+
+typecheck: install-dev
+	$(VENV)/bin/mypy
+
+pytest: install-dev
+	$(VENV)/bin/llmesh model prepare --quiet
+	$(VENV)/bin/llmesh model prepare tiny-deepseek --quiet
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: buf-lint lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info llmesh/v1 llmesh/common llmesh/worker llmesh/router \
+		llmesh/tokenizer llmesh/postprocess

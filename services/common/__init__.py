@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by every tier: server factory, errors, settings, logging, channels."""

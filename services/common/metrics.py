@@ -1,0 +1,30 @@
+"""Prometheus metrics shared by every tier (names carry the ``llmesh_`` prefix).
+
+Tier-specific metrics live beside each tier's core; these are the ones the shared
+interceptor records for every RPC.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+
+RPC_REQUESTS = Counter(
+    "llmesh_rpc_requests",
+    "RPCs handled, by tier, method and final status code.",
+    ["tier", "method", "code"],
+)
+RPC_LATENCY = Histogram(
+    "llmesh_rpc_duration_seconds",
+    "Server-side RPC duration by tier and method.",
+    ["tier", "method"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1",
+                         registry: CollectorRegistry = REGISTRY) -> int:
+    """Serve /metrics; returns the bound port (``port=0`` picks one), or -1 if disabled."""
+    if port < 0:
+        return -1
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)

@@ -1,0 +1,161 @@
+"""Server factory and lifecycle shared by every tier.
+
+``create_server`` binds, adds health, reflection and interceptors and returns
+``(server, port, health)``. ``run_until_signal`` owns the lifecycle: start, warm up,
+SERVING, wait for SIGTERM/SIGINT, NOT_SERVING, drain, close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.channels import MESSAGE_SIZE_OPTIONS, SERVER_KEEPALIVE_OPTIONS, server_credentials
+from services.common.interceptors import ErrorMappingInterceptor
+from services.common.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class ServerHandle:
+    """A started (or startable) server with its health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+    events: list[str] = field(default_factory=list)
+    """Lifecycle steps in the order they happened (tests assert the shutdown order)."""
+
+    async def set_ready(self, ready: bool) -> None:
+        status = SERVING if ready else NOT_SERVING
+        for name in self.service_names:
+            await self.health.set(name, status)
+        self.events.append("ready" if ready else "not_ready")
+
+    async def set_live(self, live: bool) -> None:
+        await self.health.set("", SERVING if live else NOT_SERVING)
+
+
+async def create_server(
+    settings: ServerSettings,
+    *,
+    tier: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    extra_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tracing: bool = True,
+) -> ServerHandle:
+    """Build a grpc.aio server with health, reflection and the shared interceptors.
+
+    Health starts NOT_SERVING for every service name (readiness) and for "" (liveness)
+    until the caller says otherwise.
+    """
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if tracing:
+        from services.common.tracing import server_interceptors
+
+        interceptors += server_interceptors()
+    interceptors += list(extra_interceptors)
+    # Error mapping is innermost so tracing and auth see the mapped status.
+    interceptors.append(ErrorMappingInterceptor(tier))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[*SERVER_KEEPALIVE_OPTIONS, *MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
+    )
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{settings.host}:{settings.port}"
+    tls = settings.server_tls
+    if tls is not None:
+        port = server.add_secure_port(address, server_credentials(tls))
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"{tier}: could not bind {address}")
+    for name in ("", *names):
+        await health_servicer.set(name, NOT_SERVING)
+    return ServerHandle(server=server, port=port, health=health_servicer, service_names=names)
+
+
+async def run_until_signal(
+    handle: ServerHandle,
+    *,
+    tier: str,
+    grace_seconds: float,
+    warmup: Callable[[], Awaitable[None]] | None = None,
+    close: Sequence[Callable[[], Awaitable[None]]] = (),
+    stop_event: asyncio.Event | None = None,
+    on_started: Callable[[int], None] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or ``stop_event``), then shut down in order.
+
+    Order and why:
+    1. start the server and report live, so liveness probes pass during a long warm-up;
+    2. warm up, then report ready: callers only route here once it can answer;
+    3. on a signal, report NOT_SERVING first so routers stop sending new work;
+    4. ``server.stop(grace)`` lets in-flight streams finish, then cancels them;
+    5. only then close engines and channels, which in-flight calls were still using.
+    """
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread (tests): rely on stop_event
+    await handle.server.start()
+    handle.events.append("started")
+    await handle.set_live(True)
+    if on_started is not None:
+        on_started(handle.port)
+    log.info("%s listening on port %d", tier, handle.port)
+    try:
+        if warmup is not None:
+            warm = asyncio.ensure_future(warmup())
+            waiter = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({warm, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if warm in done:
+                waiter.cancel()
+                warm.result()
+                handle.events.append("warmed_up")
+            else:
+                warm.cancel()
+        if not stop.is_set():
+            await handle.set_ready(True)
+            log.info("%s ready", tier)
+            await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        log.info("%s stopping", tier)
+        await handle.set_ready(False)
+        await handle.set_live(False)
+        await handle.server.stop(grace_seconds)
+        handle.events.append("stopped")
+        for closer in close:
+            try:
+                await closer()
+            except Exception:
+                log.exception("%s: error while closing", tier)
+        handle.events.append("closed")
