@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.action == "path":
             path = model_path(args.name)
             if args.name not in MODELS or not verify_model_dir(path):
-                raise ModelError(f"model {args.name!r} is not prepared; run: llmesh model prepare {args.name}")
+                raise ModelError(
+                    f"model {args.name!r} is not prepared; run: llmesh model prepare {args.name}"
+                )
             print(path)
         else:
             print(json.dumps(list_models(), indent=2))

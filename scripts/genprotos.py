@@ -14,9 +14,8 @@ PROTO_ROOT = ROOT / "protos"
 
 
 def generate(out_root: Path = ROOT) -> list[Path]:
-    from grpc_tools import protoc  # imported late: only needed at build time
-
     import grpc_tools
+    from grpc_tools import protoc  # imported late: only needed at build time
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(PROTO_ROOT.rglob("*.proto"))

@@ -17,7 +17,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.channels import MESSAGE_SIZE_OPTIONS, SERVER_KEEPALIVE_OPTIONS, server_credentials
+from services.common.channels import (
+    MESSAGE_SIZE_OPTIONS,
+    SERVER_KEEPALIVE_OPTIONS,
+    server_credentials,
+)
 from services.common.interceptors import ErrorMappingInterceptor
 from services.common.settings import ServerSettings
 
