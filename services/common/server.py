@@ -108,6 +108,7 @@ async def run_until_signal(
     warmup: Callable[[], Awaitable[None]] | None = None,
     close: Sequence[Callable[[], Awaitable[None]]] = (),
     stop_event: asyncio.Event | None = None,
+    drain_seconds: float = 0.0,
     on_started: Callable[[int], None] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop_event``), then shut down in order.
@@ -115,7 +116,9 @@ async def run_until_signal(
     Order and why:
     1. start the server and report live, so liveness probes pass during a long warm-up;
     2. warm up, then report ready: callers only route here once it can answer;
-    3. on a signal, report NOT_SERVING first so routers stop sending new work;
+    3. on a signal, report NOT_SERVING first and keep accepting calls for
+       ``drain_seconds``, so routers and probes watching health stop sending new work
+       before the port closes;
     4. ``server.stop(grace)`` lets in-flight streams finish, then cancels them;
     5. only then close engines and channels, which in-flight calls were still using.
     """
@@ -154,6 +157,8 @@ async def run_until_signal(
             loop.remove_signal_handler(sig)
         log.info("%s stopping", tier)
         await handle.set_ready(False)
+        if drain_seconds > 0:
+            await asyncio.sleep(drain_seconds)
         await handle.set_live(False)
         await handle.server.stop(grace_seconds)
         handle.events.append("stopped")

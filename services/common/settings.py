@@ -57,6 +57,8 @@ class ServerSettings(BaseSettings):
     """Client private key (PEM) for downstream calls."""
     grace_seconds: float = 5.0
     """On SIGTERM, how long in-flight calls may take to finish before they are cancelled."""
+    drain_seconds: float = 1.0
+    """On SIGTERM, how long to keep serving while reporting NOT_SERVING, so callers move away."""
     log_level: str = "INFO"
     """Log level (DEBUG, INFO, WARNING, ERROR). Prompt and output text never log at INFO."""
     log_format: str = "json"
