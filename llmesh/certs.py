@@ -1,0 +1,306 @@
+"""``llmesh certs``: a development CA with a server and a client certificate.
+
+Writes to ``${LLMESH_HOME:-~/.cache/llmesh}/certs/`` (or ``--out``):
+
+- ``ca.pem`` - the self-signed CA (give it to clients as ``--ca`` and to servers as the
+  client CA for mutual TLS);
+- ``server.pem`` / ``server-key.pem`` - serverAuth certificate for ``localhost``,
+  ``127.0.0.1``, ``::1`` and every ``--san``;
+- ``client.pem`` / ``client-key.pem`` - clientAuth certificate with CN ``--client-cn``.
+
+Keys are EC P-256 (``--key-type rsa`` for RSA 2048), written with mode 0600. Existing
+files are never overwritten without ``--force``. For development only: the CA key is not
+kept, so nothing else can be signed with it later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import ipaddress
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from llmesh.home import certs_dir
+
+CERT_FILES: dict[str, str] = {
+    "ca": "ca.pem",
+    "server_cert": "server.pem",
+    "server_key": "server-key.pem",
+    "client_cert": "client.pem",
+    "client_key": "client-key.pem",
+}
+"""Key in the returned mapping -> file name."""
+
+DEFAULT_SANS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
+
+PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+
+
+class CertificatesExistError(FileExistsError):
+    """Some of the files are already there and ``force`` was not given."""
+
+    def __init__(self, existing: list[Path]) -> None:
+        self.existing = existing
+        names = ", ".join(p.name for p in existing)
+        super().__init__(
+            f"{existing[0].parent} already holds {names}; not overwriting (use --force to replace them)"
+        )
+
+
+def dev_cert_paths(out_dir: str | Path | None = None) -> dict[str, Path]:
+    """Where :func:`write_dev_certs` puts each file (``out_dir`` defaults to the llmesh home)."""
+    base = Path(out_dir) if out_dir is not None else certs_dir()
+    return {name: base / filename for name, filename in CERT_FILES.items()}
+
+
+def _new_key(key_type: str) -> PrivateKey:
+    if key_type == "ec":
+        return ec.generate_private_key(ec.SECP256R1())
+    if key_type == "rsa":
+        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    raise ValueError(f"key_type: expected 'ec' or 'rsa', got {key_type!r}")
+
+
+def _san_entry(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _key_usage(*, cert_sign: bool = False, key_encipherment: bool = False) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=key_encipherment,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def _leaf(
+    *,
+    common_name: str,
+    key: PrivateKey,
+    ca_key: PrivateKey,
+    ca_cert: x509.Certificate,
+    eku: x509.ObjectIdentifier,
+    sans: Sequence[str],
+    not_before: dt.datetime,
+    not_after: dt.datetime,
+) -> x509.Certificate:
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "llmesh development"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            _key_usage(key_encipherment=isinstance(key, rsa.RSAPrivateKey)), critical=True
+        )
+        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+    )
+    if sans:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([_san_entry(s) for s in sans]), critical=False
+        )
+    return builder.sign(ca_key, hashes.SHA256())
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    # Create with the final mode so a key is never readable by others, even briefly;
+    # chmod as well because O_CREAT's mode does not apply to a file that already exists.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    path.chmod(mode)
+
+
+def write_dev_certs(
+    out_dir: str | Path | None = None,
+    *,
+    sans: Sequence[str] = (),
+    client_cn: str = "llmesh-client",
+    days: int = 30,
+    force: bool = False,
+    key_type: str = "ec",
+) -> dict[str, Path]:
+    """Write a development CA, server and client certificate; return their paths.
+
+    Keys of the result: ``ca``, ``server_cert``, ``server_key``, ``client_cert``,
+    ``client_key``. The server certificate covers localhost, 127.0.0.1, ::1 and ``sans``
+    (IP addresses become IP SANs, anything else DNS SANs). Raises
+    :class:`CertificatesExistError` (a ``FileExistsError``) before touching anything if
+    any of the files exists and ``force`` is false.
+    """
+    if days < 1:
+        raise ValueError(f"days: must be at least 1, got {days}")
+    if not client_cn:
+        raise ValueError("client_cn: must not be empty")
+    paths = dev_cert_paths(out_dir)
+    existing = [p for p in paths.values() if p.exists()]
+    if existing and not force:
+        raise CertificatesExistError(existing)
+    base = paths["ca"].parent
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    now = dt.datetime.now(dt.UTC)
+    not_before = now - dt.timedelta(minutes=5)  # tolerate small clock skew between hosts
+    not_after = now + dt.timedelta(days=days)
+
+    ca_key = _new_key(key_type)
+    ca_name = x509.Name([
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "llmesh development"),
+        x509.NameAttribute(NameOID.COMMON_NAME, "llmesh development CA"),
+    ])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(cert_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    all_sans = list(dict.fromkeys([*DEFAULT_SANS, *(s.strip() for s in sans if s.strip())]))
+    server_key = _new_key(key_type)
+    server_cert = _leaf(
+        common_name="localhost",
+        key=server_key,
+        ca_key=ca_key,
+        ca_cert=ca_cert,
+        eku=ExtendedKeyUsageOID.SERVER_AUTH,
+        sans=all_sans,
+        not_before=not_before,
+        not_after=not_after,
+    )
+    client_key = _new_key(key_type)
+    client_cert = _leaf(
+        common_name=client_cn,
+        key=client_key,
+        ca_key=ca_key,
+        ca_cert=ca_cert,
+        eku=ExtendedKeyUsageOID.CLIENT_AUTH,
+        sans=(),
+        not_before=not_before,
+        not_after=not_after,
+    )
+
+    def pem_key(key: PrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    _write(paths["ca"], ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    _write(paths["server_key"], pem_key(server_key), 0o600)
+    _write(paths["server_cert"], server_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    _write(paths["client_key"], pem_key(client_key), 0o600)
+    _write(paths["client_cert"], client_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return paths
+
+
+def ensure_dev_certs(out_dir: str | Path | None = None, **kwargs: object) -> dict[str, Path]:
+    """Return the existing certificate set, writing a new one only if none is there.
+
+    A partial set (some files missing) raises :class:`CertificatesExistError` rather than
+    mixing old and new material; fix it with ``llmesh certs --force``.
+    """
+    paths = dev_cert_paths(out_dir)
+    if all(p.exists() for p in paths.values()):
+        return paths
+    return write_dev_certs(out_dir, **kwargs)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmesh certs",
+        description=(
+            "Write a development CA with a server and a client certificate "
+            "(ca.pem, server.pem, server-key.pem, client.pem, client-key.pem). "
+            "For development and tests only."
+        ),
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="directory to write to (default: ${LLMESH_HOME:-~/.cache/llmesh}/certs)",
+    )
+    parser.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="extra server name or IP address (repeatable; localhost, 127.0.0.1, ::1 are always in)",
+    )
+    parser.add_argument(
+        "--client-cn", default="llmesh-client", help="common name of the client certificate"
+    )
+    parser.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
+    parser.add_argument(
+        "--key-type", choices=("ec", "rsa"), default="ec", help="EC P-256 (default) or RSA 2048 keys"
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite existing files")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sans = [part for item in args.san for part in item.split(",")]
+    try:
+        paths = write_dev_certs(
+            args.out,
+            sans=sans,
+            client_cn=args.client_cn,
+            days=args.days,
+            force=args.force,
+            key_type=args.key_type,
+        )
+    except CertificatesExistError as exc:
+        print(f"llmesh certs: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"llmesh certs: error: {exc}", file=sys.stderr)
+        return 1
+    width = max(len(k) for k in paths)
+    for name, path in paths.items():
+        print(f"{name.ljust(width)}  {path}")
+    print(
+        f"\nclient:  llmesh generate --ca {paths['ca']} "
+        f"--cert {paths['client_cert']} --key {paths['client_key']} 'Hello'",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
