@@ -124,7 +124,7 @@ async def run_until_signal(
     """
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
-    installed: list[int] = []
+    installed: list[signal.Signals] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)

@@ -1,0 +1,35 @@
+"""Audit log: one JSON line per request, with hashes and sizes but never raw text."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class AuditLog:
+    def __init__(self, path: str | None) -> None:
+        self._lock = threading.Lock()
+        self._stream: TextIO | None = None
+        if path == "-":
+            self._stream = sys.stderr
+        elif path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._stream = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def write(self, entry: dict[str, Any]) -> None:
+        if self._stream is None:
+            return
+        record = {"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": "request", **entry}
+        line = json.dumps(record, sort_keys=True, default=str)
+        with self._lock:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+
+    def close(self) -> None:
+        if self._stream is not None and self._stream is not sys.stderr:
+            self._stream.close()
+        self._stream = None

@@ -1,0 +1,32 @@
+"""``llmesh gateway``: the public llmesh.v1.InferenceService."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from gateway.settings import GatewaySettings
+from services.common.logs import setup_logging
+from services.common.metrics import start_metrics_server
+from services.common.settings import add_settings_arguments, settings_from_args
+from services.common.tracing import setup_tracing, shutdown_tracing
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="llmesh gateway",
+        description="Public gRPC gateway (llmesh.v1.InferenceService): auth, quotas, validation, "
+        "deadlines; drives tokenizer -> router -> postprocessor. Every flag can also be set "
+        "through the environment variable shown in its help.",
+    )
+    add_settings_arguments(parser, GatewaySettings)
+    args = parser.parse_args(argv)
+    settings = settings_from_args(GatewaySettings, args)
+    setup_logging("gateway", settings.log_level, settings.log_format)
+    setup_tracing(settings.service_name or "llmesh-gateway")
+    start_metrics_server(settings.metrics_port, settings.host)
+    try:
+        asyncio.run(__import__("gateway.server", fromlist=["serve"]).serve(settings))
+    finally:
+        shutdown_tracing()
+    return 0

@@ -1,0 +1,546 @@
+"""Gateway core: drives tokenizer -> router -> postprocessor for one request.
+
+Plain asyncio, no grpc: the tiers are reached through the protocols below, whose grpc
+implementations live in :mod:`gateway.tiers`. Transport failures arrive as
+:class:`TierUnavailable`, which is what triggers failover:
+
+* the router carrying a stream dies -> resume through another router replica with the
+  prompt plus the tokens already received and the remaining budget;
+* the postprocessor dies -> replay every token so far into another replica, which
+  suppresses the characters the client already has (``skip_chars``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway import metrics
+from gateway.audit import AuditLog
+from gateway.tenants import RateLimiter, Tenant, TenantRegistry
+from gateway.types import (
+    ChatTurn,
+    Completion,
+    Encoded,
+    GenerateCall,
+    ModelMeta,
+    PostConfig,
+    PostDelta,
+    PostFinal,
+    RouterDelta,
+    RouterFinal,
+    TextDelta,
+    Timing,
+    TokenGeneration,
+    TokenLogprob,
+)
+from gateway.validation import Limits, check_context, validate_call, validate_input
+from services.common.errors import (
+    DeadlineExceeded,
+    FieldViolation,
+    InvalidArgument,
+    LlmeshError,
+    NotFound,
+    Unavailable,
+)
+from services.common.tracing import tracer
+
+log = logging.getLogger(__name__)
+
+
+class TierUnavailable(Unavailable):
+    """A replica of a tier could not be reached or broke the connection."""
+
+
+class TokenizerTier(Protocol):
+    async def encode(
+        self, model: str, prompt: str, messages: list[ChatTurn], *,
+        add_generation_prompt: bool | None, timeout: float | None,
+    ) -> Encoded: ...
+
+    async def list_models(self, *, timeout: float | None) -> list[ModelMeta]: ...
+
+
+class RouterTier(Protocol):
+    @property
+    def replicas(self) -> int: ...
+
+    def generate(
+        self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
+        resumed: int, timeout: float | None,
+    ) -> AsyncIterator[RouterDelta | RouterFinal]: ...
+
+    async def abort(self, replica: int, request_id: str) -> None: ...
+
+
+class PostSession(Protocol):
+    async def send_tokens(self, token_ids: list[int]) -> None: ...
+    async def send_end(self, finish_reason: str) -> None: ...
+    async def read(self) -> PostDelta | PostFinal | None: ...
+    async def close(self) -> None: ...
+
+
+class PostprocessorTier(Protocol):
+    @property
+    def replicas(self) -> int: ...
+
+    async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> PostSession: ...
+
+
+@dataclass
+class Deadline:
+    """The client's deadline as a monotonic instant (None = no deadline)."""
+
+    at: float | None = None
+
+    @classmethod
+    def after(cls, seconds: float | None) -> Deadline:
+        return cls(None if seconds is None else time.monotonic() + seconds)
+
+    def remaining(self) -> float | None:
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the request's deadline passed")
+        return left
+
+
+@dataclass
+class GatewayConfig:
+    limits: Limits = field(default_factory=Limits)
+    default_model: str = ""
+    default_max_tokens: int = 512
+    max_resumes: int = 3
+    models_refresh_s: float = 30.0
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _to_engine_sampling(call: GenerateCall, max_tokens: int) -> GenerateCall:
+    sampling = dataclasses.replace(call.sampling, max_tokens=max_tokens, stop=[])
+    return dataclasses.replace(call, sampling=sampling)
+
+
+class GatewayCore:
+    """Everything the public API does, independent of the transport."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerTier,
+        router: RouterTier,
+        postprocessor: PostprocessorTier,
+        *,
+        tenants: TenantRegistry,
+        config: GatewayConfig | None = None,
+        audit: AuditLog | None = None,
+        limiter: RateLimiter | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.router = router
+        self.postprocessor = postprocessor
+        self.tenants = tenants
+        self.config = config or GatewayConfig()
+        self.audit = audit or AuditLog(None)
+        self.limiter = limiter or RateLimiter()
+        self._models: list[ModelMeta] = []
+        self._models_at = 0.0
+        self._rr_router = 0
+        self._rr_post = 0
+
+    # -- models -------------------------------------------------------------------
+
+    async def list_models(self, deadline: Deadline | None = None) -> list[ModelMeta]:
+        now = time.monotonic()
+        if not self._models or now - self._models_at > self.config.models_refresh_s:
+            timeout = deadline.remaining() if deadline else 5.0
+            self._models = await self.tokenizer.list_models(timeout=timeout)
+            self._models_at = now
+        return list(self._models)
+
+    async def resolve_model(self, name: str, deadline: Deadline | None = None) -> ModelMeta:
+        models = await self.list_models(deadline)
+        wanted = name or self.config.default_model
+        if not wanted:
+            defaults = [m for m in models if m.is_default] or models
+            if not defaults:
+                raise Unavailable("no model is served")
+            return defaults[0]
+        for meta in models:
+            if meta.id == wanted:
+                return meta
+        raise NotFound(f"model: {wanted!r} is not served (served: {', '.join(m.id for m in models)})")
+
+    # -- tokenize -------------------------------------------------------------------
+
+    async def tokenize(
+        self, tenant: Tenant, model: str, prompt: str, messages: list[ChatTurn],
+        add_generation_prompt: bool | None, deadline: Deadline,
+    ) -> tuple[ModelMeta, Encoded]:
+        meta = await self.resolve_model(model, deadline)
+        violations: list[FieldViolation] = []
+        validate_input(GenerateCall(model=model, prompt=prompt, messages=messages),
+                       self.config.limits, violations)
+        if violations:
+            raise InvalidArgument.many(violations)
+        self.limiter.admit(tenant)
+        encoded = await self.tokenizer.encode(
+            meta.id, prompt, messages, add_generation_prompt=add_generation_prompt,
+            timeout=deadline.remaining(),
+        )
+        return meta, encoded
+
+    # -- generate -------------------------------------------------------------------
+
+    async def generate(self, tenant: Tenant, call: GenerateCall, deadline: Deadline) -> Completion:
+        """The unary answer: the concatenation of the stream."""
+        final: Completion | None = None
+        parts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        async for item in self.generate_stream(tenant, call, deadline):
+            if isinstance(item, TextDelta):
+                parts.append(item.text)
+                ids.extend(item.token_ids)
+                logprobs.extend(item.logprobs)
+            else:
+                final = item
+        assert final is not None
+        final.text = "".join(parts)
+        final.token_ids = ids + final.token_ids
+        final.logprobs = logprobs + final.logprobs
+        return final
+
+    async def generate_stream(
+        self, tenant: Tenant, call: GenerateCall, deadline: Deadline
+    ) -> AsyncIterator[TextDelta | Completion]:
+        """Text deltas as the postprocessor releases them, then one Completion."""
+        start = time.monotonic()
+        request_id = call.request_id or uuid.uuid4().hex
+        span = tracer().start_span("gateway.generate")
+        span.set_attribute("llmesh.request_id", request_id)
+        span.set_attribute("llmesh.tenant", tenant.name)
+        audit = {
+            "tenant": tenant.name, "request_id": request_id, "model": call.model,
+            "prompt_chars": len(call.prompt) + sum(len(m.content) for m in call.messages),
+            "messages": len(call.messages),
+            "prompt_sha256": sha256_text(
+                call.prompt or "\n".join(f"{m.role}:{m.content}" for m in call.messages)
+            ),
+        }
+        status = "OK"
+        output_parts: list[str] = []
+        completion: Completion | None = None
+        try:
+            meta = await self.resolve_model(call.model, deadline)
+            audit["model"] = meta.id
+            span.set_attribute("llmesh.model", meta.id)
+            validate_call(call, meta, self.config.limits)
+            self.limiter.admit(tenant)
+            with tracer().start_as_current_span("gateway.tokenize"):
+                encoded = await self.tokenizer.encode(
+                    meta.id, call.prompt, call.messages, add_generation_prompt=None,
+                    timeout=deadline.remaining(),
+                )
+            if encoded.tokenizer_checksum and meta.tokenizer_checksum and (
+                encoded.tokenizer_checksum != meta.tokenizer_checksum
+            ):
+                raise Unavailable("tokenizer replica's checksum differs from the model's")
+            prompt_tokens = len(encoded.token_ids)
+            span.set_attribute("llmesh.prompt_tokens", prompt_tokens)
+            max_tokens = check_context(call, meta, prompt_tokens, self.config.default_max_tokens)
+            self.limiter.charge_tokens(tenant, prompt_tokens)
+            engine_call = _to_engine_sampling(call, max_tokens)
+            generation = TokenGeneration(
+                request_id=request_id, model=meta.id, prompt_token_ids=encoded.token_ids,
+                sampling=engine_call.sampling, priority=call.priority,
+            )
+            post_config = PostConfig(
+                model=meta.id, stop=list(call.sampling.stop), filter_mode=tenant.filter_mode,
+            )
+            stream = _Stream(self, generation, post_config, deadline,
+                             want_tokens=call.sampling.logprobs is not None)
+            async for item in stream.run():
+                if isinstance(item, TextDelta):
+                    output_parts.append(item.text)
+                    yield item
+                    continue
+                completion = item
+            assert completion is not None
+            completion.request_id = request_id
+            completion.model = meta.id
+            completion.prompt_tokens = prompt_tokens
+            completion.timing.total_ms = (time.monotonic() - start) * 1000
+            completion.timing.ttft_ms = (
+                (stream.first_text_at - start) * 1000 if stream.first_text_at else completion.timing.total_ms
+            )
+            self.limiter.charge_tokens(tenant, completion.completion_tokens)
+            metrics.record_completion(completion, tenant.name)
+            span.set_attribute("llmesh.completion_tokens", completion.completion_tokens)
+            span.set_attribute("llmesh.finish_reason", completion.finish_reason)
+            span.set_attribute("llmesh.worker_id", completion.served_by.worker_id)
+            span.set_attribute("llmesh.zone", completion.served_by.zone)
+            span.set_attribute("llmesh.resumed", completion.served_by.resumed)
+            yield completion
+        except LlmeshError as exc:
+            status = exc.code.name
+            if status == "RESOURCE_EXHAUSTED":
+                metrics.RATE_LIMITED.labels(tenant.name).inc()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "CANCELLED"
+            raise
+        except Exception:
+            status = "INTERNAL"
+            raise
+        finally:
+            span.set_attribute("llmesh.status", status)
+            span.end()
+            output = "".join(output_parts)
+            entry = dict(audit)
+            entry.update({
+                "status": status,
+                "output_chars": len(output),
+                "output_sha256": sha256_text(output),
+                "duration_ms": round((time.monotonic() - start) * 1000, 3),
+            })
+            if completion is not None:
+                entry.update({
+                    "prompt_tokens": completion.prompt_tokens,
+                    "completion_tokens": completion.completion_tokens,
+                    "finish_reason": completion.finish_reason,
+                    "served_by": dataclasses.asdict(completion.served_by),
+                })
+            else:
+                entry["finish_reason"] = "cancelled" if status == "CANCELLED" else "error"
+            self.audit.write(entry)
+
+    def next_router(self) -> int:
+        self._rr_router = (self._rr_router + 1) % max(1, self.router.replicas)
+        return self._rr_router
+
+    def next_postprocessor(self) -> int:
+        self._rr_post = (self._rr_post + 1) % max(1, self.postprocessor.replicas)
+        return self._rr_post
+
+
+_POST_FAILED = object()
+
+
+class _Stream:
+    """One request's pump between the router stream and the postprocessor stream."""
+
+    def __init__(
+        self, core: GatewayCore, generation: TokenGeneration, post_config: PostConfig,
+        deadline: Deadline, *, want_tokens: bool,
+    ) -> None:
+        self.core = core
+        self.generation = generation
+        self.post_config = post_config
+        self.deadline = deadline
+        self.want_tokens = want_tokens
+        self.tokens: list[int] = []
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.sent_chars = 0
+        self.resumed = 0
+        self.router_final: RouterFinal | None = None
+        self.router_ended = False
+        self.router_replica = core.next_router()
+        self.post_replica = core.next_postprocessor()
+        self.session: PostSession | None = None
+        self.session_gen = 0
+        self.lock = asyncio.Lock()
+        self.events: asyncio.Queue[tuple[str, object, int]] = asyncio.Queue()
+        self.first_text_at: float | None = None
+        self.post_failovers = 0
+        self._reader: asyncio.Future[None] | None = None
+
+    # postprocessor side ---------------------------------------------------------
+
+    async def _open_session(self) -> None:
+        """Open (or re-open) the postprocessor stream and replay what it missed. Holds lock."""
+        attempts = 0
+        while True:
+            config = dataclasses.replace(self.post_config, skip_chars=self.sent_chars)
+            try:
+                session = await self.core.postprocessor.open(
+                    self.post_replica, config, timeout=self.deadline.remaining()
+                )
+                if self.tokens:
+                    await session.send_tokens(list(self.tokens))
+                if self.router_ended and self.router_final is not None:
+                    await session.send_end(self.router_final.finish_reason)
+            except TierUnavailable:
+                attempts += 1
+                if attempts > max(self.core.postprocessor.replicas, 1) + self.core.config.max_resumes:
+                    raise
+                self.post_replica = self.core.next_postprocessor()
+                await asyncio.sleep(min(0.05 * attempts, 0.5))
+                continue
+            self.session = session
+            self.session_gen += 1
+            gen = self.session_gen
+            self._reader = asyncio.ensure_future(self._read_session(session, gen))
+            return
+
+    async def _read_session(self, session: PostSession, gen: int) -> None:
+        try:
+            while True:
+                item = await session.read()
+                if item is None:
+                    await self.events.put(("post_failed", None, gen))
+                    return
+                await self.events.put(("post", item, gen))
+                if isinstance(item, PostFinal):
+                    return
+        except TierUnavailable as exc:
+            await self.events.put(("post_failed", exc, gen))
+        except LlmeshError as exc:
+            await self.events.put(("error", exc, gen))
+
+    async def _send_tokens(self, ids: list[int]) -> None:
+        if self.session is None:
+            return
+        # A dead session is noticed by its reader, which replays everything we hold.
+        with contextlib.suppress(TierUnavailable):
+            await self.session.send_tokens(ids)
+
+    # router side ------------------------------------------------------------------
+
+    async def _run_router(self) -> None:
+        failures = 0
+        limit = self.core.config.max_resumes + max(self.core.router.replicas, 1)
+        while True:
+            got_tokens_this_attempt = False
+            try:
+                stream = self.core.router.generate(
+                    self.router_replica, self.generation, resume_token_ids=list(self.tokens),
+                    resumed=self.resumed, timeout=self.deadline.remaining(),
+                )
+                async for event in stream:
+                    if isinstance(event, RouterDelta):
+                        got_tokens_this_attempt = True
+                        async with self.lock:
+                            self.tokens.extend(event.token_ids)
+                            if self.want_tokens:
+                                self.pending_ids.extend(event.token_ids)
+                                self.pending_logprobs.extend(event.logprobs)
+                            await self._send_tokens(event.token_ids)
+                    else:
+                        async with self.lock:
+                            self.router_final = event
+                            self.router_ended = True
+                            if self.session is not None:
+                                with contextlib.suppress(TierUnavailable):
+                                    await self.session.send_end(event.finish_reason)
+                        return
+                raise TierUnavailable("router stream ended without a final message")
+            except TierUnavailable as exc:
+                failures += 1
+                if failures >= limit:
+                    await self.events.put(("error", exc, 0))
+                    return
+                if self.tokens:
+                    self.resumed += 1
+                    metrics.FAILOVERS.labels("router", "resume").inc()
+                else:
+                    metrics.FAILOVERS.labels("router", "retry").inc()
+                log.warning("router replica %d failed (%s); %s through another replica",
+                            self.router_replica, exc.message,
+                            "resuming" if got_tokens_this_attempt or self.tokens else "retrying")
+                self.router_replica = self.core.next_router()
+                await asyncio.sleep(min(0.05 * failures, 0.5))
+            except LlmeshError as exc:
+                await self.events.put(("error", exc, 0))
+                return
+
+    # the pump -----------------------------------------------------------------------
+
+    async def run(self) -> AsyncIterator[TextDelta | Completion]:
+        router_task: asyncio.Task[None] | None = None
+        final: PostFinal | None = None
+        try:
+            async with self.lock:
+                await self._open_session()
+            router_task = asyncio.create_task(self._run_router())
+            while final is None:
+                kind, payload, gen = await self.events.get()
+                if kind == "error":
+                    assert isinstance(payload, BaseException)
+                    raise payload
+                if gen != self.session_gen:
+                    continue  # from a replaced postprocessor session
+                if kind == "post_failed":
+                    self.post_failovers += 1
+                    metrics.FAILOVERS.labels("postprocessor", "replay").inc()
+                    if self.post_failovers > self.core.config.max_resumes + self.core.postprocessor.replicas:
+                        raise TierUnavailable("postprocessor replicas keep failing")
+                    log.warning("postprocessor replica %d failed; replaying %d tokens into another",
+                                self.post_replica, len(self.tokens))
+                    async with self.lock:
+                        self.post_replica = self.core.next_postprocessor()
+                        await self._open_session()
+                    continue
+                if isinstance(payload, PostDelta):
+                    if not payload.text:
+                        continue
+                    if self.first_text_at is None:
+                        self.first_text_at = time.monotonic()
+                    self.sent_chars += len(payload.text)
+                    delta = TextDelta(text=payload.text)
+                    if self.want_tokens:
+                        async with self.lock:
+                            delta.token_ids, self.pending_ids = self.pending_ids, []
+                            delta.logprobs, self.pending_logprobs = self.pending_logprobs, []
+                    yield delta
+                elif isinstance(payload, PostFinal):
+                    final = payload
+            if not self.router_ended and router_task is not None:
+                # Output ended early (stop string, blocked content): stop the engine, and
+                # give the router a moment to report where it ran.
+                with contextlib.suppress(LlmeshError):
+                    await self.core.router.abort(self.router_replica, self.generation.request_id)
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(router_task), 1.0)
+            yield self._completion(final)
+        finally:
+            if router_task is not None and not router_task.done():
+                router_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await router_task
+            if self._reader is not None and not self._reader.done():
+                self._reader.cancel()
+            if self.session is not None:
+                with contextlib.suppress(Exception):
+                    await self.session.close()
+
+    def _completion(self, final: PostFinal) -> Completion:
+        router_final = self.router_final or RouterFinal(finish_reason="abort")
+        served_by = dataclasses.replace(router_final.served_by)
+        served_by.resumed = max(served_by.resumed, self.resumed)
+        completion = Completion(
+            request_id=self.generation.request_id,
+            model=self.generation.model,
+            text="",
+            finish_reason=final.finish_reason,
+            matched_stop=final.matched_stop,
+            completion_tokens=final.completion_tokens or len(self.tokens),
+            cached_tokens=router_final.cached_tokens,
+            served_by=served_by,
+            timing=Timing(queue_ms=router_final.queue_ms),
+        )
+        if self.want_tokens:
+            completion.token_ids = list(self.pending_ids)
+            completion.logprobs = list(self.pending_logprobs)
+        return completion

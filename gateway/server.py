@@ -1,0 +1,108 @@
+"""Gateway server factory and lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from gateway.audit import AuditLog
+from gateway.core import GatewayConfig, GatewayCore
+from gateway.servicer import InferenceServicer
+from gateway.settings import GatewaySettings
+from gateway.tenants import TenantRegistry, load_tenants
+from gateway.tiers import GrpcPostprocessorTier, GrpcRouterTier, GrpcTokenizerTier
+from gateway.validation import Limits
+from llmesh.v1 import inference_pb2, inference_pb2_grpc
+from services.common.server import ServerHandle, create_server, run_until_signal
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+@dataclass
+class Gateway:
+    handle: ServerHandle
+    core: GatewayCore
+    tiers: tuple[GrpcTokenizerTier, GrpcRouterTier, GrpcPostprocessorTier]
+    audit: AuditLog
+
+    @property
+    def port(self) -> int:
+        return self.handle.port
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            await tier.close()
+        self.audit.close()
+
+
+def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokenizerTier, GrpcRouterTier,
+                                                                      GrpcPostprocessorTier], AuditLog]:
+    tls = settings.client_tls
+    tokenizer = GrpcTokenizerTier(settings.tokenizer_targets, tls)
+    router = GrpcRouterTier(settings.router_targets, tls)
+    post = GrpcPostprocessorTier(settings.postprocessor_targets, tls)
+    tenants = load_tenants(settings.tenants_file) if settings.tenants_file else []
+    audit = AuditLog(settings.audit_log or None)
+    core = GatewayCore(
+        tokenizer, router, post,
+        tenants=TenantRegistry(tenants, default_filter_mode=settings.default_filter_mode),
+        config=GatewayConfig(
+            limits=Limits(
+                max_prompt_chars=settings.max_prompt_chars, max_messages=settings.max_messages,
+                max_message_chars=settings.max_message_chars,
+                max_stop_strings=settings.max_stop_strings, max_stop_chars=settings.max_stop_chars,
+                max_logprobs=settings.max_logprobs,
+            ),
+            default_model=settings.default_model,
+            default_max_tokens=settings.default_max_tokens,
+            max_resumes=settings.max_resumes,
+        ),
+        audit=audit,
+    )
+    return core, (tokenizer, router, post), audit
+
+
+async def create_gateway(settings: GatewaySettings) -> Gateway:
+    """Build the gateway server (not started); ``settings.port=0`` picks a free port."""
+    core, tiers, audit = build_core(settings)
+    servicer = InferenceServicer(core)
+    handle = await create_server(
+        settings, tier="gateway",
+        register=lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
+        service_names=[SERVICE_NAME],
+    )
+    return Gateway(handle=handle, core=core, tiers=tiers, audit=audit)
+
+
+async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = None) -> None:
+    gateway = await create_gateway(settings)
+    http_runner = None
+
+    async def warmup() -> None:
+        # Ready once the tokenizer tier answers: without it no request can be served.
+        while True:
+            try:
+                models = await gateway.core.list_models()
+                if models:
+                    log.info("serving models: %s", ", ".join(m.id for m in models))
+                    return
+            except Exception as exc:  # keep waiting for the tier to come up
+                log.info("waiting for the tokenizer tier: %s", exc)
+            await asyncio.sleep(0.5)
+
+    if settings.http_port >= 0:
+        from gateway.http import start_http
+
+        http_runner = await start_http(gateway.core, settings)
+
+    async def close_http() -> None:
+        if http_runner is not None:
+            await http_runner.cleanup()
+
+    await run_until_signal(
+        gateway.handle, tier="gateway", grace_seconds=settings.grace_seconds, warmup=warmup,
+        close=[close_http, gateway.close], stop_event=stop_event, drain_seconds=settings.drain_seconds,
+    )

@@ -1,0 +1,53 @@
+"""Gateway settings (env prefix ``LLMESH_GATEWAY_``)."""
+
+from __future__ import annotations
+
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServerSettings
+
+
+class GatewaySettings(ServerSettings):
+    """Everything the gateway reads at start-up."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLMESH_GATEWAY_", frozen=True, use_attribute_docstrings=True, extra="ignore",
+    )
+
+    port: int = 50051
+    """Public gRPC port."""
+    tokenizer_targets: list[str] = ["127.0.0.1:50061"]
+    """Tokenizer tier replicas (host:port, or dns:///name:port)."""
+    router_targets: list[str] = ["127.0.0.1:50071"]
+    """Router replicas; a stream whose router dies is resumed through the next one."""
+    postprocessor_targets: list[str] = ["127.0.0.1:50062"]
+    """Postprocessor replicas; a stream whose postprocessor dies is replayed into the next one."""
+    default_model: str = ""
+    """Model used when a request leaves ``model`` empty; empty means the tokenizer tier's default."""
+    tenants_file: str = ""
+    """YAML/JSON file with tenants (name, key_sha256, requests_per_minute, tokens_per_minute,
+    filter_mode). When tenants exist, every call needs ``authorization: Bearer <key>``."""
+    default_filter_mode: str = "off"
+    """Output filter for callers without a tenant entry: off, redact or block."""
+    audit_log: str = ""
+    """Path of the JSON-lines audit log ('-' for stderr, empty to disable)."""
+    max_prompt_chars: int = 200_000
+    """Longest accepted prompt, in characters."""
+    max_messages: int = 256
+    """Most chat messages in one request."""
+    max_message_chars: int = 100_000
+    """Longest accepted chat message content, in characters."""
+    max_stop_strings: int = 16
+    """Most stop strings in one request."""
+    max_stop_chars: int = 256
+    """Longest stop string, in characters."""
+    max_logprobs: int = 20
+    """Most top logprobs per token a caller may ask for."""
+    default_max_tokens: int = 512
+    """max_tokens when a request leaves it unset (capped by the context left)."""
+    max_resumes: int = 3
+    """How many times one stream may move to another router or postprocessor replica."""
+    http_port: int = -1
+    """OpenAI-compatible HTTP port (-1 disables it)."""
+    http_host: str = "127.0.0.1"
+    """Address of the OpenAI-compatible HTTP listener."""

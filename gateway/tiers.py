@@ -1,0 +1,255 @@
+"""gRPC clients for the tiers behind the gateway (the implementations of core's protocols)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from gateway import convert
+from gateway.core import TierUnavailable
+from gateway.types import (
+    ChatTurn,
+    Encoded,
+    ModelMeta,
+    PostConfig,
+    PostDelta,
+    PostFinal,
+    RouterDelta,
+    RouterFinal,
+    TokenGeneration,
+)
+from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from llmesh.router.v1 import router_pb2, router_pb2_grpc
+from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common import errors
+from services.common.channels import create_channel
+from services.common.settings import TlsSettings
+
+# A peer that vanished mid-call shows up as one of these.
+_TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+_TRANSPORT_HINTS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY")
+
+_CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.LlmeshError]] = {
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: errors.Cancelled,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+}
+
+
+def is_transport_failure(err: grpc.aio.AioRpcError) -> bool:
+    code = err.code()
+    if code in _TRANSPORT_CODES:
+        return True
+    details = err.details() or ""
+    return code is grpc.StatusCode.INTERNAL and any(h in details for h in _TRANSPORT_HINTS)
+
+
+def _field_map(field: str, strip: Sequence[str]) -> str:
+    for prefix in strip:
+        if field.startswith(prefix):
+            return field[len(prefix):]
+    return field
+
+
+def domain_error(err: grpc.aio.AioRpcError, *, tier: str, strip: Sequence[str] = ()) -> errors.LlmeshError:
+    """Turn a downstream status into the domain error the gateway re-raises."""
+    code = err.code()
+    message = err.details() or code.name
+    if is_transport_failure(err) and code is not grpc.StatusCode.UNAVAILABLE:
+        return TierUnavailable(f"{tier}: {message}")
+    status = rpc_status.from_call(err)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        violations: list[errors.FieldViolation] = []
+        if status is not None:
+            for detail in status.details:
+                bad = error_details_pb2.BadRequest()
+                if detail.Unpack(bad):
+                    violations += [
+                        errors.FieldViolation(_field_map(v.field, strip), v.description)
+                        for v in bad.field_violations
+                    ]
+        if violations:
+            return errors.InvalidArgument.many(violations)
+        return errors.InvalidArgument("request", message)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        delay = 1.0
+        if status is not None:
+            for detail in status.details:
+                info = error_details_pb2.RetryInfo()
+                if detail.Unpack(info):
+                    delay = info.retry_delay.ToMilliseconds() / 1000
+        return errors.ResourceExhausted(message, retry_after_s=delay)
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return TierUnavailable(f"{tier}: {message}")
+    return _CODE_TO_ERROR.get(code, errors.Internal)(f"{tier}: {message}")
+
+
+class _Replicas:
+    def __init__(self, targets: Sequence[str], tls: TlsSettings | None, server_name: str = "") -> None:
+        if not targets:
+            raise ValueError("at least one target is required")
+        self.targets = list(targets)
+        self.channels = [
+            create_channel(t, tls=tls, server_name_override=server_name) for t in self.targets
+        ]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.channels)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+class GrpcTokenizerTier(_Replicas):
+    """Tokenizer replicas; a failed replica is skipped for the next one."""
+
+    def __init__(self, targets: Sequence[str], tls: TlsSettings | None = None, server_name: str = "") -> None:
+        super().__init__(targets, tls, server_name)
+        self.stubs = [tokenizer_pb2_grpc.TokenizerServiceStub(c) for c in self.channels]
+        self._next = 0
+
+    async def _call(self, method: str, request: object, timeout: float | None) -> object:
+        last: errors.LlmeshError | None = None
+        for _ in range(self.replicas):
+            stub = self.stubs[self._next]
+            self._next = (self._next + 1) % self.replicas
+            try:
+                return await getattr(stub, method)(request, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                mapped = domain_error(err, tier="tokenizer", strip=("input.",))
+                if not isinstance(mapped, TierUnavailable):
+                    raise mapped from None
+                last = mapped
+        assert last is not None
+        raise last
+
+    async def encode(
+        self, model: str, prompt: str, messages: list[ChatTurn], *,
+        add_generation_prompt: bool | None, timeout: float | None,
+    ) -> Encoded:
+        request = tokenizer_pb2.EncodeRequest(input=convert.encode_input(
+            model, prompt, messages, add_generation_prompt
+        ))
+        reply = await self._call("Encode", request, timeout)
+        assert isinstance(reply, tokenizer_pb2.EncodeResponse)
+        r = reply.result
+        return Encoded(model=r.model, token_ids=list(r.token_ids),
+                       tokenizer_checksum=r.tokenizer_checksum, truncated=r.truncated)
+
+    async def list_models(self, *, timeout: float | None) -> list[ModelMeta]:
+        reply = await self._call("ListModels", tokenizer_pb2.ListModelsRequest(), timeout)
+        assert isinstance(reply, tokenizer_pb2.ListModelsResponse)
+        return [
+            ModelMeta(id=m.model, max_context_length=m.max_context_length,
+                      tokenizer_checksum=m.tokenizer_checksum, is_default=m.is_default,
+                      vocab_size=m.vocab_size)
+            for m in reply.models
+        ]
+
+
+class GrpcRouterTier(_Replicas):
+    def __init__(self, targets: Sequence[str], tls: TlsSettings | None = None, server_name: str = "") -> None:
+        super().__init__(targets, tls, server_name)
+        self.stubs = [router_pb2_grpc.RouterServiceStub(c) for c in self.channels]
+
+    async def generate(
+        self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
+        resumed: int, timeout: float | None,
+    ) -> AsyncIterator[RouterDelta | RouterFinal]:
+        message = router_pb2.GenerateRequest(
+            request=convert.token_request(request), resume_token_ids=resume_token_ids, resumed=resumed,
+        )
+        call = self.stubs[replica % self.replicas].Generate(message, timeout=timeout)
+        try:
+            async for reply in call:
+                if reply.HasField("delta"):
+                    yield RouterDelta(
+                        token_ids=list(reply.delta.token_ids),
+                        logprobs=convert.logprobs_from_common(reply.delta.logprobs),
+                    )
+                elif reply.HasField("final"):
+                    yield convert.router_final(reply.final)
+                    return
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err, tier="router") from None
+        finally:
+            call.cancel()
+
+    async def abort(self, replica: int, request_id: str) -> None:
+        try:
+            await self.stubs[replica % self.replicas].Abort(
+                router_pb2.AbortRequest(request_id=request_id), timeout=2.0
+            )
+        except grpc.aio.AioRpcError as err:
+            if err.code() is not grpc.StatusCode.NOT_FOUND:
+                raise domain_error(err, tier="router") from None
+
+
+class GrpcPostSession:
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self.call = call
+        self.closed = False
+
+    async def _write(self, request: postprocess_pb2.ProcessRequest) -> None:
+        try:
+            await self.call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
+            raise TierUnavailable(f"postprocessor: write failed ({type(err).__name__})") from None
+
+    async def send_tokens(self, token_ids: list[int]) -> None:
+        await self._write(postprocess_pb2.ProcessRequest(
+            tokens=postprocess_pb2.ProcessTokens(token_ids=token_ids)
+        ))
+
+    async def send_end(self, finish_reason: str) -> None:
+        await self._write(postprocess_pb2.ProcessRequest(
+            end=postprocess_pb2.ProcessEnd(
+                finish_reason=convert.upstream_finish(finish_reason)  # type: ignore[arg-type]
+            )
+        ))
+
+    async def read(self) -> PostDelta | PostFinal | None:
+        try:
+            reply = await self.call.read()
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err, tier="postprocessor") from None
+        if reply is grpc.aio.EOF:
+            return None
+        if reply.HasField("delta"):
+            return PostDelta(text=reply.delta.text)
+        return convert.post_final(reply.final)
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.call.cancel()
+
+
+class GrpcPostprocessorTier(_Replicas):
+    def __init__(self, targets: Sequence[str], tls: TlsSettings | None = None, server_name: str = "") -> None:
+        super().__init__(targets, tls, server_name)
+        self.stubs = [postprocess_pb2_grpc.PostprocessServiceStub(c) for c in self.channels]
+
+    async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> GrpcPostSession:
+        call = self.stubs[replica % self.replicas].Process(
+            timeout=None if timeout is None or math.isinf(timeout) else timeout
+        )
+        session = GrpcPostSession(call)
+        await session._write(postprocess_pb2.ProcessRequest(config=convert.process_config(config)))
+        return session
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await super().close()

@@ -1,0 +1,166 @@
+"""Domain types of the gateway (no grpc, no protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass
+class Sampling:
+    """Public sampling parameters; None means unset (model default)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool | None = None
+    logprobs: int | None = None
+
+
+@dataclass
+class GenerateCall:
+    """One public generate request, after conversion from the wire."""
+
+    model: str = ""
+    prompt: str = ""
+    messages: list[ChatTurn] = field(default_factory=list)
+    sampling: Sampling = field(default_factory=Sampling)
+    priority: int = 0
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    id: str
+    max_context_length: int
+    tokenizer_checksum: str
+    is_default: bool = False
+    vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class Encoded:
+    model: str
+    token_ids: list[int]
+    tokenizer_checksum: str
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass
+class TokenGeneration:
+    """What the router needs: token ids and engine sampling (no stop strings)."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    priority: int = 0
+
+
+@dataclass
+class ServedBy:
+    worker_id: str = ""
+    zone: str = ""
+    device: str = ""
+    degraded: bool = False
+    resumed: int = 0
+
+
+@dataclass
+class Timing:
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass
+class RouterDelta:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RouterFinal:
+    finish_reason: str  # stop, length, abort, error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    served_by: ServedBy = field(default_factory=ServedBy)
+    retries: int = 0
+
+
+@dataclass(frozen=True)
+class PostConfig:
+    model: str
+    stop: list[str]
+    filter_mode: str = "off"
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    skip_chars: int = 0
+
+
+@dataclass(frozen=True)
+class PostDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class PostFinal:
+    finish_reason: str  # stop, length, cancelled, content_filter, error
+    matched_stop: str = ""
+    completion_tokens: int = 0
+    redactions: int = 0
+
+
+@dataclass
+class TextDelta:
+    """A piece of output text for the client, with token detail when asked."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    model: str
+    text: str
+    finish_reason: str
+    matched_stop: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    served_by: ServedBy = field(default_factory=ServedBy)
+    timing: Timing = field(default_factory=Timing)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
