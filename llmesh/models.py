@@ -124,7 +124,7 @@ def _build_smollm2(out: Path, step: Callable[[str], None]) -> None:
         )
         # The weights are now plain bf16 tensors; drop the GGUF quantizer so that
         # save_pretrained writes ordinary safetensors vLLM can load.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
         step("write safetensors")
@@ -193,7 +193,7 @@ def _build_tiny_deepseek(out: Path, step: Callable[[str], None], seed: int = 123
     # training is deterministic and needs no download.
     smol_tok = Tokenizer.from_file(str(smol / "tokenizer.json"))
     pieces = sorted(smol_tok.get_vocab())
-    words = [smol_tok.decode([smol_tok.token_to_id(p)]) for p in pieces]
+    words = [smol_tok.decode([smol_tok.token_to_id(p) or 0]) for p in pieces]
     corpus = [" ".join(words[i:i + 64]) for i in range(0, len(words), 64)]
     corpus += ["".join(chr(c) for c in range(0x4E00 + i, 0x4E00 + i + 32)) for i in range(0, 512, 32)]
     raw = _sentencepiece_tokenizer(corpus)
@@ -204,7 +204,7 @@ def _build_tiny_deepseek(out: Path, step: Callable[[str], None], seed: int = 123
     tokenizer.chat_template = TINY_DEEPSEEK_CHAT_TEMPLATE
     step("build a random DeepSeek-V2 (MoE + MLA)")
     torch.manual_seed(seed)
-    config = DeepseekV2Config(
+    config = DeepseekV2Config(  # type: ignore[call-arg]
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -230,7 +230,7 @@ def _build_tiny_deepseek(out: Path, step: Callable[[str], None], seed: int = 123
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
-    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
+    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     step("write safetensors")
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))

@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -133,7 +134,7 @@ def spawn_tier(
     full_env.update(env or {})
     full_env.setdefault("OTEL_SERVICE_NAME", f"llmesh-{tier}")
     log_path = None
-    stdout: int | object = subprocess.DEVNULL
+    stdout: int | IO[bytes] = subprocess.DEVNULL
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"

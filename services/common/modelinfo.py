@@ -58,7 +58,7 @@ def max_context_length(model_dir: str | Path, override: int = 0) -> int:
 def parse_model_spec(spec: str) -> tuple[str, Path]:
     """``name=path`` or ``path`` -> (served name, path)."""
     if "=" in spec:
-        name, _, path = spec.partition("=")
-        return name.strip(), Path(path.strip()).expanduser()
+        name, _, raw = spec.partition("=")
+        return name.strip(), Path(raw.strip()).expanduser()
     path = Path(spec).expanduser()
     return served_model_name(path), path
