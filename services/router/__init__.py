@@ -1,0 +1,1 @@
+"""Router tier: worker choice, dynamic batching windows, health, zone failover, resume."""

@@ -1,0 +1,256 @@
+"""Dynamic batching windows per worker, and demultiplexing of batch streams.
+
+Requests for one worker that arrive within a window are sent in one GenerateBatch
+call. The window adapts to the worker's pressure (load / capacity, smoothed): an idle
+worker gets every request immediately; as pressure rises the window grows toward
+``max_wait_ms`` and ``max_size`` (larger batches at peak, when the engine is queueing
+anyway and one call per batch saves per-request overhead); it shrinks as load drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from llmesh.common.v1 import common_pb2
+from services.router.workerapi import WorkerCallError, WorkerClient, WorkerEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    wait_ms: float
+    max_size: int
+
+
+class AdaptiveWindow:
+    """Window length and batch size from smoothed worker pressure."""
+
+    def __init__(
+        self, max_wait_ms: float, max_size: int, *, alpha: float = 0.3, idle: float = 0.25
+    ) -> None:
+        self.max_wait_ms = max(0.0, max_wait_ms)
+        self.max_size = max(1, max_size)
+        self.alpha = alpha
+        self.idle = idle
+        self.level = 0.0
+        """Smoothed pressure, 0..1."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_wait_ms > 0 and self.max_size > 1
+
+    def observe(self, pressure: float) -> None:
+        """Fold one pressure sample (load / capacity) into the smoothed level."""
+        sample = min(1.0, max(0.0, pressure))
+        self.level += self.alpha * (sample - self.level)
+
+    def plan(self) -> WindowPlan:
+        """The window for the next request: no wait while the worker is idle."""
+        if not self.enabled or self.level < self.idle:
+            return WindowPlan(0.0, 1)
+        fraction = (self.level - self.idle) / (1.0 - self.idle)
+        wait = self.max_wait_ms * fraction
+        size = 2 + round((self.max_size - 2) * fraction)
+        return WindowPlan(wait, max(2, min(self.max_size, size)))
+
+
+_END = object()
+
+
+@dataclass
+class AttemptStream:
+    """The events of one request sent to one worker (one attempt)."""
+
+    request_id: str
+    dispatcher: BatchDispatcher
+    queue: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    window_wait_ms: float = 0.0
+    batch_size: int = 0
+    sent: bool = False
+    single_task: asyncio.Task[None] | None = None
+    done: bool = False
+    cancelled: bool = False
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, item: object) -> None:
+        if not self.done and not self.cancelled:
+            self.queue.put_nowait(item)
+            if isinstance(item, common_pb2.TokenFinal) or item is _END or isinstance(
+                item, BaseException
+            ):
+                self.done = True
+
+    async def events(self) -> AsyncIterator[WorkerEvent]:
+        """Deltas then one final; raises WorkerCallError if the worker call failed."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is _END:
+                raise WorkerCallError("transport", "UNAVAILABLE", "worker stream ended without a final")
+            assert isinstance(item, common_pb2.TokenDelta | common_pb2.TokenFinal)
+            yield item
+            if isinstance(item, common_pb2.TokenFinal):
+                return
+
+    async def cancel(self) -> None:
+        """Stop this request only: drop it from the window, or abort it on the worker."""
+        if self.cancelled:
+            return
+        finished = self.done
+        self.cancelled = True
+        await self.dispatcher.cancel(self, finished)
+
+
+BatchObserver = Callable[[int, float], None]
+"""Called with (batch size, window wait ms of the oldest request) for every dispatch."""
+
+
+class BatchDispatcher:
+    """Collects requests for one worker into windows and runs the worker calls."""
+
+    def __init__(
+        self,
+        client: WorkerClient,
+        window: AdaptiveWindow,
+        pressure: Callable[[], float],
+        observer: BatchObserver | None = None,
+    ) -> None:
+        self.client = client
+        self.window = window
+        self._pressure = pressure
+        self._observer = observer
+        self._pending: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def submit(self, request: common_pb2.TokenRequest, deadline: float | None) -> AttemptStream:
+        """Queue ``request`` (``deadline`` is a ``time.monotonic()`` instant or None)."""
+        stream = AttemptStream(request.request_id, self)
+        self.window.observe(self._pressure())
+        plan = self.window.plan()
+        self._pending.append((stream, request, deadline))
+        if plan.wait_ms <= 0 or len(self._pending) >= plan.max_size:
+            self._flush()
+        elif self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(plan.wait_ms / 1000.0, self._flush)
+        return stream
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._pending:
+            size = max(1, self.window.max_size if self.window.enabled else 1)
+            batch, self._pending = self._pending[:size], self._pending[size:]
+            now = time.perf_counter()
+            for stream, _, _ in batch:
+                stream.sent = True
+                stream.window_wait_ms = (now - stream.enqueued_at) * 1000.0
+                stream.batch_size = len(batch)
+            if self._observer is not None:
+                self._observer(len(batch), batch[0][0].window_wait_ms)
+            if len(batch) == 1:
+                stream, request, deadline = batch[0]
+                task = asyncio.ensure_future(self._run_single(stream, request, deadline))
+                stream.single_task = task
+            else:
+                task = asyncio.ensure_future(self._run_batch(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _timeout(deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        return max(0.0, deadline - time.monotonic())
+
+    async def _run_single(
+        self, stream: AttemptStream, request: common_pb2.TokenRequest, deadline: float | None
+    ) -> None:
+        try:
+            async for _, event in self.client.generate(request, self._timeout(deadline)):
+                stream.push(event)
+            stream.push(_END)
+        except asyncio.CancelledError:
+            # The caller cancelled: cancelling the call makes the worker abort the request.
+            stream.push(WorkerCallError("cancelled", "CANCELLED", "cancelled by the router"))
+            raise
+        except WorkerCallError as exc:
+            stream.push(exc)
+        except Exception as exc:
+            log.exception("worker %s: unexpected error in Generate", self.client.address)
+            stream.push(WorkerCallError("transport", "INTERNAL", type(exc).__name__))
+
+    async def _run_batch(
+        self, batch: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]]
+    ) -> None:
+        streams = {stream.request_id: stream for stream, _, _ in batch}
+        deadlines = [deadline for _, _, deadline in batch]
+        # One call carries every request: it may live as long as the longest deadline;
+        # each request's own deadline is enforced by the router core.
+        deadline = None if any(d is None for d in deadlines) else max(d for d in deadlines if d)
+        try:
+            async for request_id, event in self.client.generate_batch(
+                [request for _, request, _ in batch], self._timeout(deadline)
+            ):
+                target = streams.get(request_id)
+                if target is not None:
+                    target.push(event)
+            for stream in streams.values():
+                stream.push(_END)
+        except asyncio.CancelledError:
+            for stream in streams.values():
+                stream.push(WorkerCallError("cancelled", "CANCELLED", "cancelled by the router"))
+            raise
+        except WorkerCallError as exc:
+            for stream in streams.values():
+                stream.push(exc)
+        except Exception as exc:
+            log.exception("worker %s: unexpected error in GenerateBatch", self.client.address)
+            for stream in streams.values():
+                stream.push(WorkerCallError("transport", "INTERNAL", type(exc).__name__))
+
+    async def cancel(self, stream: AttemptStream, finished: bool) -> None:
+        for i, (pending, _, _) in enumerate(self._pending):
+            if pending is stream:
+                del self._pending[i]
+                return
+        if finished:
+            return
+        if stream.single_task is not None:
+            stream.single_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await stream.single_task
+            return
+        if stream.sent:
+            # Only this request of the batch stops; the others keep streaming.
+            try:
+                await self.client.abort(stream.request_id)
+            except WorkerCallError as exc:
+                log.warning("abort of %s on %s failed: %s", stream.request_id, self.client.address, exc)
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for stream, _, _ in self._pending:
+            stream.push(WorkerCallError("transport", "UNAVAILABLE", "worker removed"))
+        self._pending.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,95 @@
+"""Per-worker circuit breaker: closed -> open -> half-open, with exponential backoff.
+
+Transport failures of real requests trip it (passive ejection). While open the worker
+gets no traffic; after the backoff it turns half-open and lets one trial request
+through. A successful trial closes it; a failed one reopens it for twice as long.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+
+class Circuit(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        *,
+        failure_threshold: int = 1,
+        base_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failure_threshold = max(1, failure_threshold)
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._state = Circuit.CLOSED
+        self._failures = 0
+        self._trips = 0
+        self._opened_at = 0.0
+        self._trial_in_flight = False
+
+    @property
+    def state(self) -> Circuit:
+        """Current state; an open circuit whose backoff has elapsed reads half-open."""
+        if self._state is Circuit.OPEN and self._clock() - self._opened_at >= self.backoff_s:
+            self._state = Circuit.HALF_OPEN
+            self._trial_in_flight = False
+        return self._state
+
+    @property
+    def backoff_s(self) -> float:
+        """How long the circuit stays open after the latest trip."""
+        if self._trips == 0:
+            return 0.0
+        return min(self.max_backoff_s, self.base_backoff_s * 2 ** (self._trips - 1))
+
+    def allows(self) -> bool:
+        """Whether a new request may be sent (without claiming the half-open trial)."""
+        state = self.state
+        return state is Circuit.CLOSED or (state is Circuit.HALF_OPEN and not self._trial_in_flight)
+
+    def on_dispatch(self) -> None:
+        """A request was sent; in half-open it is the one trial."""
+        if self.state is Circuit.HALF_OPEN:
+            self._trial_in_flight = True
+
+    def record_success(self) -> None:
+        self._failures = 0
+        if self._state is not Circuit.CLOSED:
+            self._state = Circuit.CLOSED
+            self._trips = 0
+            self._trial_in_flight = False
+
+    def record_failure(self) -> None:
+        state = self.state
+        if state is Circuit.HALF_OPEN:
+            self._trip()
+            return
+        if state is Circuit.OPEN:
+            return
+        self._failures += 1
+        if self._failures >= self.failure_threshold:
+            self._trip()
+
+    def reset(self) -> None:
+        """Forget history (the worker was replaced, e.g. re-registered by DNS)."""
+        self._state = Circuit.CLOSED
+        self._failures = 0
+        self._trips = 0
+        self._trial_in_flight = False
+
+    def _trip(self) -> None:
+        self._trips += 1
+        self._state = Circuit.OPEN
+        self._opened_at = self._clock()
+        self._failures = 0
+        self._trial_in_flight = False

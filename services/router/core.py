@@ -1,0 +1,552 @@
+"""The router's logic, free of grpc: registry, health, admission, routing, retries, resume.
+
+The servicer converts protos and calls :meth:`Router.generate`, :meth:`Router.abort`
+and :meth:`Router.workers`; workers are reached through the :class:`WorkerClient`
+protocol (``workerclient.GrpcWorkerClient`` in production).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from llmesh.common.v1 import common_pb2
+from services.common.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    LlmeshError,
+    NotFound,
+    Unavailable,
+)
+from services.router import metrics
+from services.router.admission import Admission, NoCapacity
+from services.router.batching import AdaptiveWindow, AttemptStream, BatchDispatcher
+from services.router.breaker import Circuit, CircuitBreaker
+from services.router.health import WorkerMonitor
+from services.router.registry import ChecksumBook, Registry, WorkerInfo, WorkerState
+from services.router.routing import Policy, ZoneLadder, choose, prefix_key
+from services.router.settings import RouterSettings
+from services.router.workerapi import WorkerCallError, WorkerClient
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = common_pb2.ENGINE_FINISH_REASON_STOP
+FINISH_LENGTH = common_pb2.ENGINE_FINISH_REASON_LENGTH
+FINISH_ABORT = common_pb2.ENGINE_FINISH_REASON_ABORT
+FINISH_ERROR = common_pb2.ENGINE_FINISH_REASON_ERROR
+
+CIRCUIT_CODES = {Circuit.CLOSED: 0, Circuit.OPEN: 1, Circuit.HALF_OPEN: 2}
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """One generation as the router receives it."""
+
+    request: common_pb2.TokenRequest
+    resume_token_ids: tuple[int, ...] = ()
+    """Tokens an earlier router already delivered: appended to the prompt, not re-sent."""
+    resumed: int = 0
+
+
+@dataclass(frozen=True)
+class ServedBy:
+    worker_id: str
+    zone: str
+    device: str
+    degraded: bool
+    resumed: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    delta: common_pb2.TokenDelta
+
+
+@dataclass(frozen=True)
+class Final:
+    final: common_pb2.TokenFinal
+    served_by: ServedBy
+    retries: int
+
+
+@dataclass
+class _Active:
+    """A running request, for RouterService.Abort."""
+
+    stream: AttemptStream | None = None
+    aborted: bool = False
+
+
+@dataclass
+class _Attempt:
+    worker: WorkerState
+    affinity: bool
+    released: bool = False
+
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+ChecksumSource = Callable[[], Awaitable[dict[str, str]]]
+
+
+async def resolve_addresses(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to, as host:port (getaddrinfo in a thread)."""
+    infos = await asyncio.to_thread(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    out: dict[str, None] = {}
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        out.setdefault(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}", None)
+    return list(out)
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        connect: Callable[[str], WorkerClient],
+        *,
+        checksum_source: ChecksumSource | None = None,
+        resolver: Resolver = resolve_addresses,
+    ) -> None:
+        self.settings = settings
+        self._connect = connect
+        self._checksum_source = checksum_source
+        self._resolver = resolver
+        self.ladder = ZoneLadder(settings.zones, settings.degraded_zones)
+        self.policy = Policy(
+            settings.affinity_balance_factor, settings.affinity_balance_slack, settings.kv_weight
+        )
+        self.checksums = ChecksumBook(settings.model_checksums)
+        self.registry = Registry(
+            lambda: CircuitBreaker(
+                failure_threshold=settings.breaker_failures,
+                base_backoff_s=settings.breaker_base_backoff_s,
+                max_backoff_s=settings.breaker_max_backoff_s,
+            ),
+            default_capacity=settings.worker_capacity,
+        )
+        self.admission: Admission[_Attempt] = Admission(settings.max_queue)
+        self._clients: dict[str, WorkerClient] = {}
+        self._dispatchers: dict[str, BatchDispatcher] = {}
+        self._monitors: dict[str, WorkerMonitor] = {}
+        self._active: dict[str, _Active] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Fetch expected checksums, connect static workers, start DNS re-resolution."""
+        if self._started:
+            return
+        self._started = True
+        if self._checksum_source is not None and not await self._load_checksums():
+            self._tasks.append(asyncio.ensure_future(self._checksum_retry_loop()))
+        for spec in self.settings.all_workers():
+            self.add_worker(
+                spec.address, zone=spec.zone, device=spec.device, models=spec.models,
+                worker_id=spec.worker_id,
+            )
+        if self.settings.dns_targets:
+            await self.resolve_dns_once()
+            self._tasks.append(asyncio.ensure_future(self._dns_loop()))
+
+    async def wait_ready(self, timeout: float = 10.0) -> bool:
+        """Wait until at least one worker is healthy (or ``timeout``)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(w.healthy for w in self.registry):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        for address in list(self.registry.workers):
+            await self.remove_worker(address)
+
+    # ---- workers ---------------------------------------------------------------
+
+    def add_worker(
+        self, address: str, *, zone: str = "", device: str = "", models: list[str] | None = None,
+        worker_id: str = "", source: str = "static",
+    ) -> WorkerState | None:
+        state = self.registry.add(
+            address, zone=zone, device=device, models=models, worker_id=worker_id, source=source
+        )
+        if state is None:
+            return None
+        client = self._connect(address)
+        self._clients[address] = client
+        self._dispatchers[address] = BatchDispatcher(
+            client,
+            AdaptiveWindow(self.settings.batch_max_wait_ms, self.settings.batch_max_size),
+            state.pressure,
+            self._observe_batch,
+        )
+        monitor = WorkerMonitor(
+            state, client, check_info=self._check_info, on_change=self._on_worker_change,
+            interval_s=self.settings.load_interval_ms / 1000.0,
+            timeout_s=self.settings.load_timeout_ms / 1000.0,
+            failures_to_eject=self.settings.load_failures_to_eject,
+        )
+        self._monitors[address] = monitor
+        monitor.start()
+        log.info("worker %s added (zone=%s, source=%s)", address, zone or "?", source)
+        return state
+
+    async def remove_worker(self, address: str) -> None:
+        state = self.registry.remove(address)
+        if state is None:
+            return
+        monitor = self._monitors.pop(address, None)
+        if monitor is not None:
+            await monitor.stop()
+        dispatcher = self._dispatchers.pop(address, None)
+        if dispatcher is not None:
+            await dispatcher.close()
+        client = self._clients.pop(address, None)
+        if client is not None:
+            await client.close()
+        metrics.WORKER_HEALTHY.labels(state.worker_id, state.zone).set(0)
+        log.info("worker %s removed", address)
+        self.admission.wake()
+
+    def _check_info(self, state: WorkerState, info: WorkerInfo) -> None:
+        problems = [
+            reason for model in state.models
+            if (reason := self.checksums.check(model, info.tokenizer_checksum, state.address))
+        ]
+        reason = "; ".join(problems)
+        if reason and not state.refused:
+            metrics.REFUSED.inc()
+            log.error("REFUSING worker %s at %s: %s", state.worker_id, state.address, reason)
+        elif not reason and state.refused:
+            log.info("worker %s at %s accepted again", state.worker_id, state.address)
+        state.refused = reason
+
+    def _on_worker_change(self, state: WorkerState) -> None:
+        labels = (state.worker_id, state.zone)
+        metrics.WORKER_HEALTHY.labels(*labels).set(1 if state.healthy else 0)
+        metrics.WORKER_CIRCUIT.labels(*labels).set(CIRCUIT_CODES[state.circuit])
+        metrics.WORKER_IN_FLIGHT.labels(*labels).set(state.in_flight)
+        self.admission.capacity_hint = max(
+            1, sum(w.capacity for w in self.registry if w.healthy)
+        )
+        self.admission.wake()
+
+    async def _load_checksums(self) -> bool:
+        assert self._checksum_source is not None
+        try:
+            expected = await asyncio.wait_for(self._checksum_source(), 5.0)
+        except Exception as exc:
+            log.warning("could not read tokenizer checksums from the tokenizer tier: %s", exc)
+            return False
+        for model, checksum in expected.items():
+            self.checksums.learn(model, checksum, "tokenizer tier")
+        for state in self.registry:
+            if state.info is not None:
+                self._check_info(state, state.info)
+        return True
+
+    async def _checksum_retry_loop(self) -> None:
+        for _ in range(1_000_000):
+            await asyncio.sleep(5.0)
+            if await self._load_checksums():
+                return
+
+    async def resolve_dns_once(self) -> None:
+        for target in self.settings.dns_targets:
+            host, _, port_text = target.name.rpartition(":")
+            source = f"dns:{target.name}"
+            try:
+                addresses = set(await self._resolver(host.strip("[]"), int(port_text)))
+            except (OSError, ValueError) as exc:
+                # A failed lookup keeps the workers we know: DNS hiccups must not empty a zone.
+                log.warning("resolving %s failed: %s", target.name, exc)
+                continue
+            known = {w.address for w in self.registry.from_source(source)}
+            for address in sorted(addresses - known):
+                self.add_worker(
+                    address, zone=target.zone, device=target.device, models=target.models,
+                    source=source,
+                )
+            for address in sorted(known - addresses):
+                await self.remove_worker(address)
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.dns_interval_s)
+            await self.resolve_dns_once()
+
+    def workers(self) -> list[WorkerState]:
+        ladder = self.ladder
+        return sorted(self.registry, key=lambda w: (ladder.rank(w.zone), w.zone, w.address))
+
+    # ---- requests --------------------------------------------------------------
+
+    def _observe_batch(self, size: int, wait_ms: float) -> None:
+        metrics.BATCH_SIZE.observe(size)
+        metrics.WINDOW_WAIT.observe(wait_ms / 1000.0)
+
+    def _resolve_model(self, model: str) -> str:
+        known = self.registry.models()
+        name = model or self.settings.default_model or (known[0] if known else "")
+        if name and name in known:
+            return name
+        if any(w.info is None and not w.models for w in self.registry) or not known:
+            raise Unavailable("no worker is connected yet" if len(self.registry) else "no workers configured")
+        raise NotFound(f"model {name!r} is not served (served: {', '.join(known)})")
+
+    def _pick(self, model: str, key: bytes | None, exclude: frozenset[str]) -> _Attempt:
+        choice = choose(self.registry, model, self.ladder, key, self.policy, exclude)
+        if choice.worker is None:
+            if choice.routable:
+                raise NoCapacity()
+            raise Unavailable(f"no zone can serve model {model!r} (no healthy worker)")
+        worker = choice.worker
+        worker.in_flight += 1
+        worker.breaker.on_dispatch()
+        return _Attempt(worker, choice.affinity)
+
+    def _release(self, attempt: _Attempt) -> None:
+        if attempt.released:
+            return
+        attempt.released = True
+        attempt.worker.in_flight -= 1
+        metrics.WORKER_IN_FLIGHT.labels(attempt.worker.worker_id, attempt.worker.zone).set(
+            attempt.worker.in_flight
+        )
+        self.admission.wake()
+
+    def _backoff_s(self, failures: int) -> float:
+        cap = min(
+            self.settings.retry_max_backoff_ms,
+            self.settings.retry_base_backoff_ms * 2 ** max(0, failures - 1),
+        )
+        return random.uniform(0, cap) / 1000.0
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request this router runs; False if it is unknown (already finished)."""
+        active = self._active.get(request_id)
+        if active is None:
+            return False
+        active.aborted = True
+        stream = active.stream
+        if stream is not None:
+            await stream.cancel()
+            stream.queue.put_nowait(common_pb2.TokenFinal(finish_reason=FINISH_ABORT))
+        return True
+
+    async def generate(
+        self, route: RouteRequest, timeout: float | None = None
+    ) -> AsyncIterator[Delta | Final]:
+        """Stream deltas then one Final, retrying before and resuming after the first token."""
+        request = route.request
+        if not request.prompt_token_ids and not route.resume_token_ids:
+            raise InvalidArgument("request.prompt_token_ids", "must not be empty")
+        model = self._resolve_model(request.model)
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._active:
+            raise InvalidArgument("request.request_id", f"{request_id!r} is already running")
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else None
+        min_tokens = sampling.min_tokens if sampling.HasField("min_tokens") else None
+        prompt = list(request.prompt_token_ids)
+        produced: list[int] = list(route.resume_token_ids)
+        key = prefix_key(prompt, self.settings.affinity_prefix_tokens)
+        active = _Active()
+        self._active[request_id] = active
+        retries = 0
+        resumes = int(route.resumed)
+        failures = 0
+        failed: set[str] = set()
+        queue_ms = 0.0
+        first_token_at: float | None = None
+        current_span = _current_span()
+        try:
+            while True:
+                remaining = None if max_tokens is None else max_tokens - len(produced)
+                attempt_request = common_pb2.TokenRequest(
+                    request_id=request_id if failures == 0 else f"{request_id}~{failures}",
+                    model=model,
+                    prompt_token_ids=prompt + produced,
+                    priority=request.priority,
+                )
+                attempt_request.sampling.CopyFrom(sampling)
+                if remaining is not None:
+                    attempt_request.sampling.max_tokens = max(0, remaining)
+                if min_tokens is not None:
+                    attempt_request.sampling.min_tokens = max(0, min_tokens - len(produced))
+                if remaining is not None and remaining <= 0 and produced:
+                    # The budget was spent before the failure: nothing left to generate.
+                    yield self._final(
+                        common_pb2.TokenFinal(finish_reason=FINISH_LENGTH), None, prompt,
+                        produced, resumes, retries, start, first_token_at, queue_ms,
+                    )
+                    return
+                waited = time.monotonic()
+                attempt = await self.admission.acquire(
+                    functools.partial(self._pick, model, key, frozenset(failed)),
+                    request.priority, deadline, self._release,
+                )
+                metrics.QUEUE_DEPTH.labels(str(request.priority)).set(
+                    self.admission.depth(request.priority)
+                )
+                queue_ms += (time.monotonic() - waited) * 1000.0
+                worker = attempt.worker
+                metrics.ROUTED.labels(worker.zone, str(self.ladder.is_degraded(worker.zone)).lower()).inc()
+                stream = self._dispatchers[worker.address].submit(attempt_request, deadline)
+                active.stream = stream
+                got_tokens = False
+                finished = False
+                try:
+                    async for event in stream.events():
+                        if isinstance(event, common_pb2.TokenDelta):
+                            if not event.token_ids and not event.logprobs:
+                                continue
+                            if first_token_at is None:
+                                first_token_at = time.monotonic()
+                            got_tokens = got_tokens or bool(event.token_ids)
+                            produced.extend(event.token_ids)
+                            yield Delta(event)
+                            continue
+                        if active.aborted:
+                            finished = True
+                            yield self._final(
+                                common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker, prompt,
+                                produced, resumes, retries, start, first_token_at, queue_ms,
+                            )
+                            return
+                        if event.finish_reason in (FINISH_ERROR, FINISH_ABORT):
+                            # The engine died or the worker is draining: not the caller's doing.
+                            raise WorkerCallError(
+                                "transport", "ENGINE_" + common_pb2.EngineFinishReason.Name(
+                                    event.finish_reason), "worker ended the request",
+                            )
+                        worker.breaker.record_success()
+                        self.admission.observe_service_time(time.monotonic() - start)
+                        finished = True
+                        _annotate(current_span, worker, stream, retries, resumes, attempt.affinity)
+                        yield self._final(
+                            event, worker, prompt, produced, resumes, retries, start,
+                            first_token_at, queue_ms,
+                        )
+                        return
+                except WorkerCallError as exc:
+                    if active.aborted:
+                        yield self._final(
+                            common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker, prompt,
+                            produced, resumes, retries, start, first_token_at, queue_ms,
+                        )
+                        return
+                    if not exc.retryable:
+                        raise _caller_error(exc) from None
+                    if exc.kind == "transport":
+                        worker.breaker.record_failure()
+                        self._on_worker_change(worker)
+                    failures += 1
+                    failed.add(worker.address)
+                    metrics.FAILOVERS.labels(worker.zone).inc()
+                    if got_tokens:
+                        resumes += 1
+                        metrics.RESUMES.inc()
+                    else:
+                        retries += 1
+                        metrics.RETRIES.inc()
+                    log.warning(
+                        "request %s failed on worker %s (%s) after %d tokens; attempt %d of %d",
+                        request_id, worker.worker_id, exc.code, len(produced), failures,
+                        self.settings.max_retries + 1,
+                    )
+                    if failures > self.settings.max_retries:
+                        raise Unavailable(
+                            f"request failed on {failures} attempts; last: {exc.message}"
+                        ) from None
+                finally:
+                    active.stream = None
+                    if not finished:
+                        await stream.cancel()
+                    self._release(attempt)
+                delay = self._backoff_s(failures)
+                if deadline is not None and time.monotonic() + delay >= deadline:
+                    raise DeadlineExceeded("deadline passed while retrying")
+                await asyncio.sleep(delay)
+        finally:
+            self._active.pop(request_id, None)
+
+    def _final(
+        self, final: common_pb2.TokenFinal, worker: WorkerState | None, prompt: list[int],
+        produced: list[int], resumes: int, retries: int, start: float,
+        first_token_at: float | None, queue_ms: float,
+    ) -> Final:
+        out = common_pb2.TokenFinal()
+        out.CopyFrom(final)
+        out.prompt_tokens = len(prompt)
+        out.completion_tokens = len(produced)
+        now = time.monotonic()
+        out.queue_ms = queue_ms + final.queue_ms
+        out.ttft_ms = ((first_token_at or now) - start) * 1000.0
+        out.total_ms = (now - start) * 1000.0
+        zone = worker.zone if worker else ""
+        served = ServedBy(
+            worker_id=worker.worker_id if worker else "",
+            zone=zone,
+            device=worker.device if worker else "",
+            degraded=self.ladder.is_degraded(zone) if worker else False,
+            resumed=resumes,
+        )
+        return Final(out, served, retries)
+
+
+def _caller_error(exc: WorkerCallError) -> LlmeshError:
+    """A worker's refusal of the request itself, passed on to the caller."""
+    if exc.code == "INVALID_ARGUMENT":
+        field, sep, description = exc.message.partition(": ")
+        if sep and " " not in field:
+            return InvalidArgument(field, description)
+        return InvalidArgument("request", exc.message)
+    if exc.code == "NOT_FOUND":
+        return NotFound(exc.message)
+    if exc.kind == "deadline":
+        return DeadlineExceeded(exc.message)
+    if exc.kind == "cancelled":
+        return Cancelled(exc.message)
+    return Unavailable(exc.message)
+
+
+def _current_span() -> trace.Span:
+    return trace.get_current_span()
+
+
+def _annotate(
+    span: trace.Span, worker: WorkerState, stream: AttemptStream, retries: int, resumes: int,
+    affinity: bool,
+) -> None:
+    """Put the routing decision on the current span (the server span of Generate)."""
+    if not span.is_recording():
+        return
+    span.set_attribute("llmesh.router.worker", worker.worker_id)
+    span.set_attribute("llmesh.router.zone", worker.zone)
+    span.set_attribute("llmesh.router.retries", retries)
+    span.set_attribute("llmesh.router.resumes", resumes)
+    span.set_attribute("llmesh.router.batch_size", stream.batch_size)
+    span.set_attribute("llmesh.router.window_wait_ms", stream.window_wait_ms)
+    span.set_attribute("llmesh.router.affinity", affinity)

@@ -1,0 +1,123 @@
+"""Active health of one worker: readiness Watch, load polls, model info and checksum check.
+
+A worker is routable only while its readiness health is SERVING *and* its last load
+poll answered within ``load_timeout``: a stopped (SIGSTOP) or partitioned worker keeps
+its TCP connection, so only a missed short deadline (or the channel's keepalive) shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from services.router.registry import NOT_SERVING, SERVING, UNKNOWN, WorkerInfo, WorkerState
+from services.router.workerapi import WorkerCallError, WorkerClient
+
+log = logging.getLogger(__name__)
+
+READINESS_SERVICE = "llmesh.worker.v1.WorkerService"
+
+
+class WorkerMonitor:
+    """Background tasks that keep one :class:`WorkerState` current."""
+
+    def __init__(
+        self,
+        state: WorkerState,
+        client: WorkerClient,
+        *,
+        check_info: Callable[[WorkerState, WorkerInfo], None],
+        on_change: Callable[[WorkerState], None],
+        interval_s: float = 0.15,
+        timeout_s: float = 0.4,
+        failures_to_eject: int = 1,
+    ) -> None:
+        self.state = state
+        self.client = client
+        self._check_info = check_info
+        self._on_change = on_change
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failures_to_eject = max(1, failures_to_eject)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.ensure_future(self._load_loop()),
+            asyncio.ensure_future(self._health_loop()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("monitor of %s failed", self.state.address)
+        self._tasks = []
+
+    async def _refresh_info(self) -> bool:
+        try:
+            info = await self.client.get_model_info(max(self.timeout_s, 1.0))
+        except WorkerCallError as exc:
+            log.debug("GetModelInfo of %s failed: %s", self.state.address, exc)
+            return False
+        previous = self.state.info
+        self.state.info = info
+        if previous is None or previous.pid != info.pid or previous.worker_id != info.worker_id:
+            log.info(
+                "worker %s at %s: model=%s zone=%s device=%s pid=%d",
+                self.state.worker_id, self.state.address, info.model, self.state.zone,
+                self.state.device, info.pid,
+            )
+        self._check_info(self.state, info)
+        return True
+
+    async def _load_loop(self) -> None:
+        state = self.state
+        while True:
+            changed = False
+            try:
+                load = await self.client.get_load(self.timeout_s)
+            except WorkerCallError as exc:
+                state.load_failures += 1
+                if state.reachable and state.load_failures >= self.failures_to_eject:
+                    log.warning("worker %s at %s unreachable: %s", state.worker_id, state.address, exc)
+                    state.reachable = False
+                    changed = True
+            else:
+                was_reachable = state.reachable
+                state.load = load
+                state.load_failures = 0
+                # (Re)connected: the process may have been replaced, so re-read its
+                # model info (pid, checksum) before taking traffic again.
+                if not was_reachable and await self._refresh_info():
+                    state.reachable = True
+                    log.info("worker %s at %s reachable", state.worker_id, state.address)
+                changed = True
+            if changed:
+                self._on_change(state)
+            await asyncio.sleep(self.interval_s)
+
+    async def _health_loop(self) -> None:
+        state = self.state
+        backoff = 0.1
+        while True:
+            try:
+                async for status in self.client.watch_health(READINESS_SERVICE):
+                    backoff = 0.1
+                    if status != state.health:
+                        log.info("worker %s at %s health %s", state.worker_id, state.address, status)
+                        state.health = status if status in (SERVING, NOT_SERVING) else UNKNOWN
+                        self._on_change(state)
+            except WorkerCallError as exc:
+                log.debug("health watch of %s ended: %s", state.address, exc)
+            if state.health != UNKNOWN:
+                state.health = UNKNOWN
+                self._on_change(state)
+            await asyncio.sleep(backoff)
+            backoff = min(1.0, backoff * 2)

@@ -1,0 +1,125 @@
+"""Router server factory and lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from llmesh.router.v1 import router_pb2, router_pb2_grpc
+from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.channels import create_channel
+from services.common.server import ServerHandle, create_server, run_until_signal
+from services.router.core import ChecksumSource, Router
+from services.router.servicer import RouterServicer
+from services.router.settings import RouterSettings
+from services.router.workerapi import WorkerClient
+from services.router.workerclient import GrpcWorkerClient
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+
+
+def tokenizer_checksums(settings: RouterSettings) -> ChecksumSource:
+    """Expected checksums from the tokenizer tier's ListModels."""
+
+    async def fetch() -> dict[str, str]:
+        channel = create_channel(settings.tokenizer_target, tls=settings.client_tls)
+        try:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            reply = await stub.ListModels(tokenizer_pb2.ListModelsRequest(), timeout=3.0)
+        finally:
+            await channel.close()
+        return {m.model: m.tokenizer_checksum for m in reply.models}
+
+    return fetch
+
+
+@dataclass
+class RouterServer:
+    handle: ServerHandle
+    router: Router
+
+    @property
+    def port(self) -> int:
+        return self.handle.port
+
+
+async def build_server(
+    settings: RouterSettings,
+    *,
+    connect: Callable[[str], WorkerClient] | None = None,
+) -> RouterServer:
+    """Create (not start) the router server; ``settings.port=0`` binds a free port."""
+    tls = settings.client_tls
+    router = Router(
+        settings,
+        connect or (lambda address: GrpcWorkerClient(address, tls=tls)),
+        checksum_source=tokenizer_checksums(settings) if settings.tokenizer_target else None,
+    )
+    servicer = RouterServicer(router)
+    handle = await create_server(
+        settings,
+        tier="router",
+        register=lambda server: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server),
+        service_names=[SERVICE_NAME],
+    )
+    return RouterServer(handle, router)
+
+
+async def serve(
+    settings: RouterSettings,
+    *,
+    stop_event: asyncio.Event | None = None,
+    on_started: Callable[[int], None] | None = None,
+) -> None:
+    """Run the router until SIGTERM/SIGINT (or ``stop_event``).
+
+    Warm-up connects the workers and waits briefly for one to be healthy; the router
+    reports SERVING even if none is (requests then get UNAVAILABLE), since workers may
+    start after it.
+    """
+    server = await build_server(settings)
+
+    async def warmup() -> None:
+        await server.router.start()
+        if not await server.router.wait_ready(timeout=10.0):
+            log.warning("no healthy worker yet; serving anyway (requests get UNAVAILABLE)")
+
+    await run_until_signal(
+        server.handle,
+        tier="router",
+        grace_seconds=settings.grace_seconds,
+        warmup=warmup,
+        close=[server.router.close],
+        stop_event=stop_event,
+        on_started=on_started,
+    )
+
+
+async def start_in_process(
+    settings: RouterSettings, *, connect: Callable[[str], WorkerClient] | None = None,
+    wait_ready: float = 0.0,
+) -> RouterServer:
+    """Start a router in this event loop (tests): returns the server; stop with ``stop()``."""
+    server = await build_server(settings, connect=connect)
+    await server.router.start()
+    await server.handle.server.start()
+    await server.handle.set_live(True)
+    await server.handle.set_ready(True)
+    if wait_ready:
+        await server.router.wait_ready(wait_ready)
+    return server
+
+
+async def stop_in_process(server: RouterServer) -> None:
+    await server.handle.server.stop(0.5)
+    await server.router.close()
+
+
+__all__ = ["SERVICE_NAME", "RouterServer", "build_server", "grpc", "serve", "start_in_process",
+           "stop_in_process"]

@@ -1,0 +1,46 @@
+"""RouterService servicer: validate, convert, call the core."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from llmesh.router.v1 import router_pb2, router_pb2_grpc
+from services.common.channels import downstream_timeout
+from services.common.errors import InvalidArgument
+from services.router import convert
+from services.router.core import Router
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        if not request.HasField("request"):
+            raise InvalidArgument("request", "is required")
+        route = convert.route_request_from_proto(request)
+        # Cancellation of the client call cancels this generator; the core aborts the
+        # worker request in its finally blocks.
+        async for event in self.router.generate(route, downstream_timeout(context)):
+            yield convert.response_to_proto(event)
+
+    async def Abort(
+        self, request: router_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.AbortResponse:
+        if not request.request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        await self.router.abort(request.request_id)
+        return router_pb2.AbortResponse()
+
+    async def ListWorkers(
+        self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListWorkersResponse:
+        ladder = self.router.ladder
+        return router_pb2.ListWorkersResponse(
+            workers=[convert.worker_status_to_proto(w, ladder) for w in self.router.workers()],
+            zone_ladder=ladder.zones,
+        )

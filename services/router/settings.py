@@ -1,0 +1,142 @@
+"""Router settings: one frozen object, env prefix ``LLMESH_ROUTER_``, flags derived from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServerSettings
+
+
+class WorkerSpec(BaseModel):
+    """One statically configured worker."""
+
+    model_config = {"frozen": True, "extra": "forbid"}
+
+    address: str
+    """host:port of the worker's WorkerService."""
+    zone: str = ""
+    """Zone label; empty takes the zone the worker reports in GetModelInfo."""
+    device: str = ""
+    """Device label (cuda, npu, cpu); empty takes the worker's own report."""
+    models: list[str] = Field(default_factory=list)
+    """Models served; empty takes the model the worker reports."""
+    worker_id: str = ""
+    """Stable id; empty takes the worker's reported id, else the address."""
+
+
+class DnsTarget(BaseModel):
+    """A DNS name (e.g. a Kubernetes headless service) re-resolved periodically."""
+
+    model_config = {"frozen": True, "extra": "forbid"}
+
+    name: str
+    """host:port; every address the host resolves to becomes one worker."""
+    zone: str = ""
+    """Zone of every worker behind this name."""
+    device: str = ""
+    """Device of every worker behind this name."""
+    models: list[str] = Field(default_factory=list)
+    """Models served; empty takes the model each worker reports."""
+
+
+class RouterSettings(ServerSettings):
+    """Settings of ``llmesh router``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLMESH_ROUTER_",
+        frozen=True,
+        use_attribute_docstrings=True,
+        extra="ignore",
+        env_nested_delimiter="__",
+    )
+
+    port: int = 50053
+    """gRPC port of the RouterService; 0 picks a free port."""
+    workers: list[WorkerSpec] = Field(default_factory=list)
+    """Static workers: JSON list of {address, zone, device, models, worker_id}."""
+    workers_file: str = ""
+    """YAML or JSON file with a list of workers (same shape as --workers), added to them."""
+    dns_targets: list[DnsTarget] = Field(default_factory=list)
+    """DNS names re-resolved every dns_interval_s: JSON list of {name: "host:port", zone, device}."""
+    dns_interval_s: float = 5.0
+    """Seconds between DNS re-resolutions of dns_targets."""
+    zones: list[str] = Field(default_factory=lambda: ["zone-a", "zone-b", "kunpeng"])
+    """Zone ladder, best first; a request goes to the first zone with a routable worker."""
+    degraded_zones: list[str] = Field(default_factory=lambda: ["kunpeng"])
+    """Zones whose service counts as degraded (served_by.degraded=true)."""
+    default_model: str = ""
+    """Model used when a request names none; empty takes the first model a worker reports."""
+    model_checksums: dict[str, str] = Field(default_factory=dict)
+    """Expected tokenizer checksum per model (JSON object model -> sha256:...)."""
+    tokenizer_target: str = ""
+    """Tokenizer tier address; its ListModels supplies expected tokenizer checksums."""
+    load_interval_ms: int = 150
+    """Milliseconds between GetLoad polls of each worker."""
+    load_timeout_ms: int = 400
+    """Deadline of one GetLoad poll; a worker that misses it is marked unreachable."""
+    load_failures_to_eject: int = 1
+    """Consecutive failed load polls after which a worker stops receiving traffic."""
+    breaker_failures: int = 1
+    """Consecutive transport failures of requests that open a worker's circuit."""
+    breaker_base_backoff_s: float = 0.5
+    """Open-circuit time after the first trip; doubles on every failed half-open trial."""
+    breaker_max_backoff_s: float = 30.0
+    """Upper bound of the open-circuit time."""
+    worker_capacity: int = 0
+    """Requests the router keeps in flight per worker; 0 uses the worker's max_num_seqs."""
+    max_queue: int = 64
+    """Requests that may wait for capacity per priority class before RESOURCE_EXHAUSTED."""
+    queue_timeout_s: float = 30.0
+    """Longest wait for capacity before a queued request fails with RESOURCE_EXHAUSTED."""
+    max_retries: int = 3
+    """Further attempts (other workers) after a failure, before or after the first token."""
+    retry_base_backoff_ms: float = 20.0
+    """Base of the exponential backoff between attempts (full jitter)."""
+    retry_max_backoff_ms: float = 500.0
+    """Upper bound of the backoff between attempts."""
+    batch_max_wait_ms: float = 5.0
+    """Longest batching window under load; 0 turns batching windows off."""
+    batch_max_size: int = 16
+    """Most requests in one GenerateBatch call."""
+    affinity_prefix_tokens: int = 64
+    """Prompt tokens hashed for prefix affinity (rendezvous hashing); 0 disables affinity."""
+    affinity_balance_factor: float = 1.5
+    """Affinity holds while the preferred worker's load <= factor x least load + slack."""
+    affinity_balance_slack: float = 2.0
+    """Absolute slack (requests) of the affinity balance bound."""
+    kv_weight: float = 1.0
+    """Weight of KV-cache usage (0..1) against relative request load when scoring workers."""
+
+    def all_workers(self) -> list[WorkerSpec]:
+        """``workers`` plus the contents of ``workers_file``."""
+        specs = list(self.workers)
+        if self.workers_file:
+            specs += load_workers_file(self.workers_file)
+        return specs
+
+
+def load_workers_file(path: str) -> list[WorkerSpec]:
+    """Read a YAML or JSON list of workers (or ``{workers: [...]}``)."""
+    text = Path(path).expanduser().read_text()
+    data: Any
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            import yaml
+
+            data = yaml.safe_load(text)
+    if isinstance(data, dict):
+        data = data.get("workers", [])
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of workers")
+    return [WorkerSpec.model_validate(item) for item in data]

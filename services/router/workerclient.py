@@ -1,0 +1,138 @@
+"""WorkerClient over grpc.aio: the production implementation of ``workerapi.WorkerClient``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmesh.common.v1 import common_pb2
+from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.channels import create_channel
+from services.common.settings import TlsSettings
+from services.router.registry import Load, WorkerInfo
+from services.router.workerapi import WorkerCallError, WorkerEvent
+
+_TRANSPORT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.CANCELLED,  # a worker (not us) cancelled: it is shutting down
+}
+
+
+def call_error(err: grpc.aio.AioRpcError) -> WorkerCallError:
+    """Classify a failed worker call (see WorkerCallError.kind)."""
+    code = err.code()
+    message = err.details() or code.name
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return WorkerCallError("overloaded", code.name, message)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return WorkerCallError("deadline", code.name, message)
+    if code in _TRANSPORT:
+        return WorkerCallError("transport", code.name, message)
+    return WorkerCallError("rejected", code.name, message)
+
+
+def load_from_proto(load: worker_pb2.Load) -> Load:
+    return Load(
+        running=load.running, waiting=load.waiting, kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate, in_flight=load.in_flight,
+        max_num_seqs=load.max_num_seqs,
+    )
+
+
+def info_from_proto(info: worker_pb2.GetModelInfoResponse) -> WorkerInfo:
+    return WorkerInfo(
+        model=info.model, tokenizer_checksum=info.tokenizer_checksum, device=info.device,
+        zone=info.zone, worker_id=info.worker_id, pid=info.pid,
+        max_context_length=info.max_context_length, vocab_size=info.vocab_size,
+    )
+
+
+class GrpcWorkerClient:
+    """One keepalive channel to a worker (a stopped or partitioned peer shows within ~1 s)."""
+
+    def __init__(self, address: str, *, tls: TlsSettings | None = None) -> None:
+        self.address = address
+        # Generations go over a traced channel; the load polls and health watch (several
+        # calls a second) over an untraced one, so traces show requests, not polling.
+        self.channel = create_channel(address, tls=tls)
+        self.control = create_channel(address, tls=tls, interceptors=[])
+        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self.control_stub = worker_pb2_grpc.WorkerServiceStub(self.control)
+        self.health = health_pb2_grpc.HealthStub(self.control)
+
+    async def generate(
+        self, request: common_pb2.TokenRequest, timeout: float | None
+    ) -> AsyncIterator[tuple[str, WorkerEvent]]:
+        call = self.stub.Generate(worker_pb2.GenerateRequest(request=request), timeout=timeout)
+        try:
+            async for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "delta":
+                    yield response.request_id or request.request_id, response.delta
+                elif kind == "final":
+                    yield response.request_id or request.request_id, response.final
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+        finally:
+            # Leaving early (the caller was cancelled) cancels the call: the worker aborts.
+            call.cancel()
+
+    async def generate_batch(
+        self, requests: Sequence[common_pb2.TokenRequest], timeout: float | None
+    ) -> AsyncIterator[tuple[str, WorkerEvent]]:
+        call = self.stub.GenerateBatch(
+            worker_pb2.GenerateBatchRequest(requests=list(requests)), timeout=timeout
+        )
+        try:
+            async for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "delta":
+                    yield response.request_id, response.delta
+                elif kind == "final":
+                    yield response.request_id, response.final
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=2.0)
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+
+    async def get_load(self, timeout: float) -> Load:
+        try:
+            reply = await self.control_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+        return load_from_proto(reply.load)
+
+    async def get_model_info(self, timeout: float) -> WorkerInfo:
+        try:
+            reply = await self.control_stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+        return info_from_proto(reply)
+
+    async def watch_health(self, service: str) -> AsyncIterator[str]:
+        call = self.health.Watch(health_pb2.HealthCheckRequest(service=service))
+        try:
+            async for reply in call:
+                yield health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.control.close()
