@@ -26,7 +26,7 @@ class RaisingService(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self) -> None:
         self.release = asyncio.Event()
 
-    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+    async def Generate(self, request, context):
         if request.prompt == "invalid":
             raise errors.InvalidArgument("sampling.temperature", "must be >= 0, got -1")
         if request.prompt == "quota":
@@ -39,7 +39,7 @@ class RaisingService(inference_pb2_grpc.InferenceServiceServicer):
             await self.release.wait()
         return inference_pb2.GenerateResponse(text="ok:" + request.prompt)
 
-    async def GenerateStream(self, request, context):  # noqa: N802
+    async def GenerateStream(self, request, context):
         yield inference_pb2.GenerateStreamResponse(delta=inference_pb2.StreamDelta(text="a"))
         if request.prompt == "invalid":
             raise errors.InvalidArgument("prompt", "bad after first delta")
