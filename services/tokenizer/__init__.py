@@ -1,0 +1,1 @@
+"""Tokenizer tier: chat templates and encoding on CPU hosts (no torch, no transformers)."""

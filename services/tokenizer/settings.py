@@ -1,0 +1,48 @@
+"""Settings of ``llmesh tokenizer`` (env prefix ``LLMESH_TOKENIZER_``, flags derived)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServerSettings
+
+
+def default_model_specs() -> list[str]:
+    """The embedded default model, where ``llmesh model prepare`` puts it."""
+    from llmesh.models import DEFAULT_MODEL, model_path
+
+    return [f"{DEFAULT_MODEL}={model_path(DEFAULT_MODEL)}"]
+
+
+class TokenizerSettings(ServerSettings):
+    """Settings of the tokenizer tier."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLMESH_TOKENIZER_",
+        frozen=True,
+        use_attribute_docstrings=True,
+        extra="ignore",
+        env_nested_delimiter="__",
+    )
+
+    port: int = 50061
+    """gRPC port of the TokenizerService; 0 picks a free port."""
+    models: list[str] = Field(default_factory=list)
+    """Models as ``name=dir`` or ``dir`` (named after the directory); the first is the default.
+    Empty serves the prepared default model (smollm2-135m-instruct)."""
+    max_batch_inputs: int = 64
+    """Most inputs one EncodeBatch call may carry."""
+    max_messages: int = 512
+    """Most chat messages in one input."""
+    max_input_chars: int = 1_000_000
+    """Most characters in one prompt, or in all message contents of one conversation."""
+    max_request_chars: int = 4_000_000
+    """Most characters in all inputs of one EncodeBatch call."""
+    encode_threads: int = 2
+    """Threads running encode_batch (the Rust tokenizer releases the GIL); about one per core."""
+    max_encode_batch: int = 32
+    """Most texts encoded in one encode_batch call when requests queue up."""
+
+    def model_specs(self) -> list[str]:
+        return list(self.models) or default_model_specs()
