@@ -1,0 +1,1 @@
+"""Inference worker tier: vLLM AsyncLLM behind ``llmesh.worker.v1.WorkerService``."""

@@ -1,0 +1,111 @@
+"""Proto <-> domain conversion for the worker (small named helpers, no logic)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from llmesh.common.v1 import common_pb2
+from llmesh.worker.v1 import worker_pb2
+from services.worker.core import Delta, Final, LoadReport, WorkerIdentity
+from services.worker.engine import EngineInfo, EngineRequest, FinishReason, Sampling
+
+FINISH_REASONS: dict[FinishReason, Any] = {
+    FinishReason.STOP: common_pb2.ENGINE_FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.ENGINE_FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.ENGINE_FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.ENGINE_FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_proto(s: common_pb2.EngineSampling) -> Sampling:
+    """Unset optional fields keep the engine's defaults (proto3 presence, not zero)."""
+    d = Sampling()
+    return Sampling(
+        temperature=s.temperature if s.HasField("temperature") else d.temperature,
+        top_p=s.top_p if s.HasField("top_p") else d.top_p,
+        top_k=s.top_k if s.HasField("top_k") else d.top_k,
+        min_p=s.min_p if s.HasField("min_p") else d.min_p,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else d.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        seed=s.seed if s.HasField("seed") else None,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d.repetition_penalty,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else d.presence_penalty,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else d.frequency_penalty,
+        ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else d.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
+
+
+def request_from_proto(r: common_pb2.TokenRequest, adapter: str = "") -> EngineRequest:
+    """An empty request id gets a fresh one (the response carries it)."""
+    return EngineRequest(
+        request_id=r.request_id or f"w-{uuid.uuid4().hex}",
+        prompt_token_ids=tuple(r.prompt_token_ids),
+        sampling=sampling_from_proto(r.sampling),
+        priority=r.priority,
+        adapter=adapter,
+    )
+
+
+def delta_to_proto(delta: Delta) -> common_pb2.TokenDelta:
+    msg = common_pb2.TokenDelta(token_ids=delta.token_ids)
+    if delta.logprobs:
+        for lp in delta.logprobs:
+            msg.logprobs.append(common_pb2.TokenLogprob(
+                token_id=lp.token_id, logprob=lp.logprob,
+                top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+            ))
+    return msg
+
+
+def final_to_proto(final: Final) -> common_pb2.TokenFinal:
+    msg = common_pb2.TokenFinal(
+        finish_reason=FINISH_REASONS[final.finish_reason],
+        prompt_tokens=final.prompt_tokens,
+        completion_tokens=final.completion_tokens,
+        cached_tokens=final.cached_tokens,
+        queue_ms=final.queue_ms,
+        ttft_ms=final.ttft_ms,
+        total_ms=final.total_ms,
+    )
+    if final.stop_token_id is not None:
+        msg.stop_token_id = final.stop_token_id
+    return msg
+
+
+def generate_response(request_id: str, event: Delta | Final) -> worker_pb2.GenerateResponse:
+    if isinstance(event, Delta):
+        return worker_pb2.GenerateResponse(request_id=request_id, delta=delta_to_proto(event))
+    return worker_pb2.GenerateResponse(request_id=request_id, final=final_to_proto(event))
+
+
+def batch_response(request_id: str, event: Delta | Final) -> worker_pb2.GenerateBatchResponse:
+    if isinstance(event, Delta):
+        return worker_pb2.GenerateBatchResponse(request_id=request_id, delta=delta_to_proto(event))
+    return worker_pb2.GenerateBatchResponse(request_id=request_id, final=final_to_proto(event))
+
+
+def load_to_proto(report: LoadReport) -> worker_pb2.Load:
+    return worker_pb2.Load(
+        running=report.engine.running,
+        waiting=report.engine.waiting,
+        kv_cache_usage=report.engine.kv_cache_usage,
+        prefix_cache_hit_rate=report.engine.prefix_cache_hit_rate,
+        in_flight=report.in_flight,
+        max_num_seqs=report.max_num_seqs,
+    )
+
+
+def model_info_to_proto(identity: WorkerIdentity, info: EngineInfo) -> worker_pb2.GetModelInfoResponse:
+    return worker_pb2.GetModelInfoResponse(
+        model=identity.model,
+        max_context_length=info.max_model_len,
+        tokenizer_checksum=identity.tokenizer_checksum,
+        device=identity.device,
+        zone=identity.zone,
+        worker_id=identity.worker_id,
+        pid=identity.pid,
+        vocab_size=info.vocab_size,
+    )

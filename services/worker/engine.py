@@ -1,0 +1,156 @@
+"""The engine protocol the worker is typed against, and its domain types.
+
+vLLM's ``AsyncLLM`` (through :mod:`services.worker.vllm_engine`) is the production
+implementation; :mod:`services.worker.fake_engine` is a deterministic double with no
+vLLM import. Nothing here imports grpc or vLLM.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class FinishReason(enum.Enum):
+    """Why the engine stopped one generation."""
+
+    STOP = "stop"
+    """EOS or one of ``stop_token_ids`` was generated (the token is in the output)."""
+    LENGTH = "length"
+    """``max_tokens`` or the context length was reached."""
+    ABORT = "abort"
+    """Aborted by the caller (Abort RPC, cancelled call, passed deadline)."""
+    ERROR = "error"
+    """The engine failed this request."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Engine sampling parameters (vLLM's names and defaults). Stop strings never get here."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    min_p: float = 0.0
+    max_tokens: int | None = None
+    """None: up to the context length."""
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Number of top alternatives to return with each token's logprob; None: no logprobs."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation in token ids."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling = field(default_factory=Sampling)
+    priority: int = 0
+    adapter: str = ""
+    """LoRA adapter name; empty uses the base model."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one generated token and its top alternatives as (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class EngineOutput:
+    """One delta from the engine; the last one has ``finish_reason`` set."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    """The EOS or stop token id that ended the generation (``finish_reason`` STOP)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (vLLM ``num_cached_tokens``)."""
+    queue_ms: float | None = None
+    """Time queued in the engine before first scheduled, when the engine reports it."""
+    ttft_ms: float | None = None
+    """Time from arrival to first token, when the engine reports it."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load as its scheduler last reported it."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    """Fraction of KV cache blocks in use, 0..1."""
+    prefix_cache_hit_rate: float = 0.0
+    """Prefix cache hits / queries since start, 0..1."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts about a started engine."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is gone (engine-core process died); the worker must exit."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker needs from an inference engine."""
+
+    @property
+    def info(self) -> EngineInfo:
+        """Static facts; valid once the engine is built."""
+        ...
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine is dead; it never recovers."""
+        ...
+
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Token-id deltas of one request; the last output has ``finish_reason`` set.
+
+        Raises :class:`EngineDeadError` if the engine dies. Closing the iterator early
+        must free the request in the engine.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its iterator then ends with ``FinishReason.ABORT``. Unknown ids are ignored."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Latest load; cheap (no engine round trip)."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine is dead."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes."""
+        ...

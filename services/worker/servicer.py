@@ -1,0 +1,81 @@
+"""``llmesh.worker.v1.WorkerService``: converts, calls the core, converts back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.errors import InvalidArgument, Unavailable
+from services.worker import convert
+from services.worker.core import WorkerCore
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Thin: every rule lives in :class:`WorkerCore`; errors map in the shared interceptor."""
+
+    def __init__(self, core: WorkerCore | None = None) -> None:
+        self.maybe_core = core
+
+    def attach(self, core: WorkerCore) -> None:
+        """Set the core once the engine is built (the server answers health before that)."""
+        self.maybe_core = core
+
+    @property
+    def core(self) -> WorkerCore:
+        if self.maybe_core is None:
+            raise Unavailable("the worker is starting (engine not ready yet)")
+        return self.maybe_core
+
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        adapter = self.core.adapter_for(request.request.model)
+        req = convert.request_from_proto(request.request, adapter)
+        async with contextlib.aclosing(self.core.generate(req)) as events:
+            async for event in events:
+                yield convert.generate_response(req.request_id, event)
+
+    async def GenerateBatch(
+        self, request: worker_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateBatchResponse]:
+        reqs = [
+            convert.request_from_proto(r, self.core.adapter_for(r.model, f"requests[{i}].model"))
+            for i, r in enumerate(request.requests)
+        ]
+        async with contextlib.aclosing(self.core.generate_batch(reqs)) as events:
+            async for request_id, event in events:
+                yield convert.batch_response(request_id, event)
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        if not request.request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        await self.core.abort(request.request_id)
+        return worker_pb2.AbortResponse()
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.GetLoadResponse:
+        return worker_pb2.GetLoadResponse(load=convert.load_to_proto(self.core.load()))
+
+    async def WatchLoad(
+        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
+        interval = (request.interval_ms or 100) / 1000.0
+        if interval < 0.01:
+            raise InvalidArgument("interval_ms", "must be 0 (100 ms) or at least 10")
+        while True:
+            yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(self.core.load()))
+            await asyncio.sleep(interval)
+
+    async def GetModelInfo(
+        self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.GetModelInfoResponse:
+        return convert.model_info_to_proto(self.core.identity, self.core.info)

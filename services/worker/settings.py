@@ -1,0 +1,94 @@
+"""Worker settings: env ``LLMESH_WORKER_<FIELD>``, CLI ``--<field>`` (vLLM's own names for engine args)."""
+
+from __future__ import annotations
+
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServerSettings
+
+
+class WorkerSettings(ServerSettings):
+    """One inference worker: a model on one device, in one zone."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LLMESH_WORKER_",
+        frozen=True,
+        use_attribute_docstrings=True,
+        extra="ignore",
+        env_nested_delimiter="__",
+    )
+
+    # -- what and where ----------------------------------------------------------------
+    model: str = ""
+    """Model directory (HF layout: config.json, tokenizer files, weights). Required."""
+    served_model_name: str = ""
+    """Model id reported to callers; empty uses the model directory's name."""
+    zone: str = "local"
+    """Zone label the router uses for its failover ladder (e.g. zone-a, zone-b, kunpeng)."""
+    device: str = "auto"
+    """Device: auto, cpu, cuda or npu. auto picks npu if torch_npu imports, else cuda if
+    a CUDA device is visible, else cpu."""
+    worker_id: str = ""
+    """Identity reported in GetModelInfo and served_by; empty uses <hostname>-<pid>."""
+    engine: str = "vllm"
+    """Engine implementation: vllm (AsyncLLM) or fake (deterministic double, no vLLM import)."""
+
+    # -- health ---------------------------------------------------------------------------
+    warmup_timeout_s: float = 600.0
+    """Engine start plus the warm-up generation must finish within this many seconds."""
+    canary_interval_s: float = 10.0
+    """Seconds between canary generations (one token); 0 disables the canary."""
+    canary_timeout_s: float = 10.0
+    """A canary that yields no token within this many seconds marks the worker NOT_SERVING."""
+    engine_check_interval_s: float = 0.5
+    """Seconds between cheap engine liveness checks (a dead engine makes the process exit)."""
+
+    # -- vLLM engine arguments (vLLM's names; None keeps vLLM's default) -------------------
+    tensor_parallel_size: int = 1
+    """vLLM tensor_parallel_size: devices one model replica is split across."""
+    pipeline_parallel_size: int = 1
+    """vLLM pipeline_parallel_size: pipeline stages."""
+    max_num_seqs: int | None = None
+    """vLLM max_num_seqs: sequences scheduled together (None: vLLM's default for the device)."""
+    max_num_batched_tokens: int | None = None
+    """vLLM max_num_batched_tokens: tokens per scheduler step (None: vLLM's default)."""
+    max_model_len: int | None = None
+    """vLLM max_model_len: context length (None: from the model's config)."""
+    block_size: int | None = None
+    """vLLM block_size: KV cache block size in tokens (None: vLLM's default)."""
+    gpu_memory_utilization: float = 0.9
+    """vLLM gpu_memory_utilization: fraction of accelerator memory for weights and KV cache."""
+    dtype: str = "auto"
+    """vLLM dtype: auto, bfloat16, float16, float32."""
+    quantization: str | None = None
+    """vLLM quantization method (e.g. awq, gptq, fp8); None: from the model's config."""
+    enable_prefix_caching: bool | None = None
+    """vLLM enable_prefix_caching (None: vLLM's default, on)."""
+    enable_expert_parallel: bool = False
+    """vLLM enable_expert_parallel: expert parallelism for MoE layers (DeepSeek)."""
+    enforce_eager: bool = True
+    """vLLM enforce_eager: skip graph capture / torch.compile (starts in ~20 s on CPU instead of minutes)."""
+    enable_lora: bool = False
+    """vLLM enable_lora: serve LoRA adapters (see lora_modules)."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters as name=path; a request whose model is the name uses the adapter."""
+    max_lora_rank: int | None = None
+    """vLLM max_lora_rank (None: vLLM's default)."""
+    trust_remote_code: bool = False
+    """vLLM trust_remote_code: allow the model directory's own Python code."""
+    seed: int | None = None
+    """vLLM seed for the engine's random state (None: vLLM's default)."""
+    scheduling_policy: str = "fcfs"
+    """vLLM scheduling_policy: fcfs, or priority (then request priority orders the queue)."""
+    cpu_kvcache_space_gb: float | None = None
+    """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE before the engine starts)."""
+    cpu_omp_threads_bind: str = ""
+    """CPU only: cores the engine's OpenMP threads bind to, e.g. 0-3 or 0|1 (VLLM_CPU_OMP_THREADS_BIND)."""
+
+    # -- fake engine (engine=fake) -----------------------------------------------------------
+    fake_token_delay_ms: float = 5.0
+    """Fake engine: delay before each generated token."""
+    fake_eos_after: int = 0
+    """Fake engine: emit EOS after this many generated tokens (0: never emit EOS)."""
+    fake_max_running: int = 8
+    """Fake engine: requests running at once; further requests wait (and count as waiting)."""

@@ -1,0 +1,278 @@
+"""The production engine: vLLM's ``AsyncLLM`` behind the :class:`~services.worker.engine.Engine` protocol.
+
+Imported only when ``--engine vllm`` runs (vLLM is heavy and absent from CPU-only tiers).
+Token ids in, token-id deltas out: ``detokenize=False`` and ``RequestOutputKind.DELTA``.
+Load comes from a stat logger that keeps the scheduler's latest ``SchedulerStats`` (no
+engine round trip, so polling every 100 ms costs nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.modelinfo import parse_model_spec
+from services.worker.engine import (
+    EngineDeadError,
+    EngineInfo,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    TokenLogprob,
+)
+
+from vllm import SamplingParams  # isort: skip
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+}
+
+
+class SchedulerStatsHolder:
+    """Latest scheduler stats and cumulative prefix-cache counters, written by vLLM's
+    output handler (same event loop) and read by GetLoad."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> StatLoggerBase:
+        return _LatestStatsLogger(self, vllm_config, engine_index)
+
+
+class _LatestStatsLogger(StatLoggerBase):
+    def __init__(self, holder: SchedulerStatsHolder, vllm_config: Any, engine_index: int = 0) -> None:
+        self.holder = holder
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if scheduler_stats is None:
+            return
+        h = self.holder
+        with h.lock:
+            h.running = int(scheduler_stats.num_running_reqs)
+            h.waiting = int(scheduler_stats.num_waiting_reqs) + int(
+                getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+            )
+            h.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                if prefix.reset:
+                    h.prefix_queries = h.prefix_hits = 0
+                h.prefix_queries += int(prefix.queries)
+                h.prefix_hits += int(prefix.hits)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    name: str
+    path: str
+    int_id: int
+
+
+def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> list[LoraModule]:
+    """``name=path`` specs; ids start at 1 (vLLM reserves 0)."""
+    modules = []
+    for i, spec in enumerate(specs, start=1):
+        if "=" not in spec:
+            raise ValueError(f"lora_modules: {spec!r} is not name=path")
+        name, path = parse_model_spec(spec)
+        modules.append(LoraModule(name, str(path), i))
+    return modules
+
+
+class VllmEngine:
+    """Implements :class:`services.worker.engine.Engine` over ``AsyncLLM``."""
+
+    def __init__(self, llm: AsyncLLM, stats: SchedulerStatsHolder, *, priority_scheduling: bool,
+                 loras: list[LoraModule]) -> None:
+        self.llm = llm
+        self.stats = stats
+        self.priority_scheduling = priority_scheduling
+        self._loras = {m.name: LoRARequest(m.name, m.int_id, m.path) for m in loras}
+        model_config = llm.model_config
+        eos: tuple[int, ...] = ()
+        try:
+            tokenizer = llm.get_tokenizer() if hasattr(llm, "get_tokenizer") else None
+            eos_id = getattr(tokenizer, "eos_token_id", None)
+            if isinstance(eos_id, int):
+                eos = (eos_id,)
+        except Exception:  # the tokenizer is only needed for this fact
+            eos = ()
+        self._info = EngineInfo(
+            max_model_len=int(model_config.max_model_len),
+            vocab_size=int(model_config.get_vocab_size()),
+            max_num_seqs=int(llm.vllm_config.scheduler_config.max_num_seqs),
+            eos_token_ids=eos,
+        )
+
+    @classmethod
+    def build(cls, engine_args: Mapping[str, Any], *, loras: list[LoraModule] | None = None) -> VllmEngine:
+        """Start AsyncLLM (spawns the engine-core process; blocks ~20-40 s on CPU)."""
+        stats = SchedulerStatsHolder()
+        args = AsyncEngineArgs(**{**engine_args, "disable_log_stats": False})
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats.factory])
+        return cls(llm, stats, priority_scheduling=engine_args.get("scheduling_policy") == "priority",
+                   loras=loras or [])
+
+    # -- protocol ----------------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
+
+    def load(self) -> EngineLoad:
+        s = self.stats
+        # Stats arrive with engine outputs: when the engine goes idle (or requests are
+        # aborted) the last report can be stale, so cap it by what the frontend still tracks.
+        unfinished = self.llm.output_processor.get_num_unfinished_requests()
+        with s.lock:
+            running = min(s.running, unfinished)
+            waiting = min(s.waiting, max(0, unfinished - running))
+            usage = s.kv_cache_usage if unfinished else 0.0
+            rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
+        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=usage, prefix_cache_hit_rate=rate)
+
+    async def check_health(self) -> None:
+        try:
+            await self.llm.check_health()
+        except VllmEngineDeadError as exc:
+            raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
+
+    def sampling_params(self, request: EngineRequest) -> SamplingParams:
+        s = request.sampling
+        max_tokens = s.max_tokens
+        if max_tokens is None:
+            max_tokens = self._info.max_model_len - len(request.prompt_token_ids)
+        return SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=0 if s.top_k == -1 else s.top_k,
+            min_p=s.min_p,
+            max_tokens=max_tokens,
+            min_tokens=s.min_tokens,
+            stop_token_ids=list(s.stop_token_ids),
+            seed=s.seed,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        params = self.sampling_params(request)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        lora = self._loras.get(request.adapter) if request.adapter else None
+        priority = request.priority if self.priority_scheduling else 0
+        try:
+            async for out in self.llm.generate(
+                prompt, params, request.request_id, lora_request=lora, priority=priority
+            ):
+                yield _convert_output(out, request.sampling.logprobs, len(request.prompt_token_ids))
+        except VllmEngineDeadError as exc:
+            raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
+
+
+def _convert_output(out: Any, n_logprobs: int | None, prompt_len: int) -> EngineOutput:
+    completion = out.outputs[0] if out.outputs else None
+    token_ids = list(completion.token_ids) if completion is not None else []
+    logprobs: list[TokenLogprob] | None = None
+    if n_logprobs is not None and completion is not None and completion.logprobs is not None:
+        logprobs = []
+        positions = list(completion.logprobs)[-len(token_ids):] if token_ids else []
+        for token, position in zip(token_ids, positions, strict=False):
+            entries = position or {}
+            chosen = entries.get(token)
+            top = sorted(
+                ((tid, lp) for tid, lp in entries.items()
+                 if getattr(lp, "rank", 0) and lp.rank <= n_logprobs),
+                key=lambda item: item[1].rank,
+            )
+            logprobs.append(TokenLogprob(
+                token_id=token,
+                logprob=float(chosen.logprob) if chosen is not None else float("nan"),
+                top=tuple((int(tid), float(lp.logprob)) for tid, lp in top),
+            ))
+    finish: FinishReason | None = None
+    stop_token_id: int | None = None
+    queue_ms = ttft_ms = None
+    if out.finished:
+        reason = completion.finish_reason if completion is not None else None
+        finish = _FINISH.get(str(reason), FinishReason.ERROR) if reason else FinishReason.ERROR
+        if finish is FinishReason.STOP and completion is not None:
+            stop_reason = completion.stop_reason
+            if isinstance(stop_reason, int):
+                stop_token_id = stop_reason
+            elif token_ids:  # EOS: the last generated token
+                stop_token_id = token_ids[-1]
+        metrics = getattr(out, "metrics", None)
+        if metrics is not None:
+            queued, scheduled = getattr(metrics, "queued_ts", 0.0), getattr(metrics, "scheduled_ts", 0.0)
+            if queued and scheduled >= queued:
+                queue_ms = (scheduled - queued) * 1000.0
+            first = getattr(metrics, "first_token_latency", 0.0)
+            if first:
+                ttft_ms = first * 1000.0
+    return EngineOutput(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        stop_token_id=stop_token_id,
+        prompt_tokens=prompt_len,
+        cached_tokens=int(out.num_cached_tokens or 0),
+        queue_ms=queue_ms,
+        ttft_ms=ttft_ms,
+    )
+
+
+def configure_device_environment(device: str, *, cpu_kvcache_space_gb: float | None,
+                                 cpu_omp_threads_bind: str) -> None:
+    """Set the per-device environment vLLM reads at engine start (before it is built)."""
+    if device == "cpu":
+        if cpu_kvcache_space_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{cpu_kvcache_space_gb:g}"
+        if cpu_omp_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_omp_threads_bind
+    elif device == "npu":
+        # vllm-ascend registers its platform through an entry point; importing torch_npu
+        # first makes a missing CANN install fail here with a clear error.
+        import torch_npu  # noqa: F401
