@@ -1,0 +1,186 @@
+"""A minimal WorkerService double for router tests (in-process or as a subprocess).
+
+The next token is a pure function of the whole sequence so far, so a generation resumed
+elsewhere from prompt + produced tokens equals an undisturbed one.
+
+    python tests/router/fakeworker.py --port P --zone zone-a [--token-delay-ms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from llmesh.common.v1 import common_pb2
+from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common.channels import SERVER_KEEPALIVE_OPTIONS
+
+SERVICE = "llmesh.worker.v1.WorkerService"
+MODEL = "fake-model"
+CHECKSUM = "sha256:fake"
+
+
+def next_token(sequence: list[int]) -> int:
+    acc = 7
+    for i, token in enumerate(sequence):
+        acc = (acc * 31 + token * (i + 1)) % 1_000_003
+    return 10 + acc % 990
+
+
+@dataclass
+class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
+    zone: str = "zone-a"
+    worker_id: str = "fake"
+    model: str = MODEL
+    checksum: str = CHECKSUM
+    token_delay_s: float = 0.005
+    max_num_seqs: int = 64
+    fail_before_first: int = 0
+    """Fail this many Generate calls with UNAVAILABLE before sending anything."""
+    running: dict[str, asyncio.Event] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    requests: list[common_pb2.TokenRequest] = field(default_factory=list)
+
+    async def _run(self, request: common_pb2.TokenRequest) -> AsyncIterator[common_pb2.TokenDelta
+                                                                               | common_pb2.TokenFinal]:
+        self.requests.append(request)
+        stop = asyncio.Event()
+        self.running[request.request_id] = stop
+        start = time.perf_counter()
+        try:
+            seq = list(request.prompt_token_ids)
+            limit = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+            for _ in range(limit):
+                await asyncio.sleep(self.token_delay_s)
+                if stop.is_set():
+                    yield common_pb2.TokenFinal(finish_reason=common_pb2.ENGINE_FINISH_REASON_ABORT)
+                    return
+                token = next_token(seq)
+                seq.append(token)
+                yield common_pb2.TokenDelta(token_ids=[token])
+            yield common_pb2.TokenFinal(
+                finish_reason=common_pb2.ENGINE_FINISH_REASON_LENGTH,
+                prompt_tokens=len(request.prompt_token_ids), completion_tokens=limit,
+                total_ms=(time.perf_counter() - start) * 1000,
+            )
+        finally:
+            self.running.pop(request.request_id, None)
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        if self.fail_before_first > 0:
+            self.fail_before_first -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected failure")
+        if not request.request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request.prompt_token_ids: empty")
+        self.batch_sizes.append(1)
+        async for event in self._run(request.request):
+            if isinstance(event, common_pb2.TokenDelta):
+                yield worker_pb2.GenerateResponse(request_id=request.request.request_id, delta=event)
+            else:
+                yield worker_pb2.GenerateResponse(request_id=request.request.request_id, final=event)
+
+    async def GenerateBatch(self, request, context):  # type: ignore[no-untyped-def]
+        self.batch_sizes.append(len(request.requests))
+        queue: asyncio.Queue[worker_pb2.GenerateBatchResponse | None] = asyncio.Queue()
+
+        async def pump(req: common_pb2.TokenRequest) -> None:
+            async for event in self._run(req):
+                if isinstance(event, common_pb2.TokenDelta):
+                    await queue.put(worker_pb2.GenerateBatchResponse(request_id=req.request_id, delta=event))
+                else:
+                    await queue.put(worker_pb2.GenerateBatchResponse(request_id=req.request_id, final=event))
+            await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(r)) for r in request.requests]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def Abort(self, request, context):  # type: ignore[no-untyped-def]
+        self.aborted.append(request.request_id)
+        stop = self.running.get(request.request_id)
+        if stop is not None:
+            stop.set()
+        return worker_pb2.AbortResponse()
+
+    async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
+        return worker_pb2.GetLoadResponse(load=worker_pb2.Load(
+            running=len(self.running), in_flight=len(self.running), max_num_seqs=self.max_num_seqs))
+
+    async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return worker_pb2.GetModelInfoResponse(
+            model=self.model, tokenizer_checksum=self.checksum, device="cpu", zone=self.zone,
+            worker_id=self.worker_id, pid=os.getpid(), max_context_length=4096, vocab_size=1000)
+
+
+@dataclass
+class RunningFake:
+    server: grpc.aio.Server
+    port: int
+    worker: FakeWorker
+    health: health.aio.HealthServicer
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        serving_status = health_pb2.HealthCheckResponse
+        status = serving_status.SERVING if serving else serving_status.NOT_SERVING
+        await self.health.set(SERVICE, status)
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+
+
+async def start_fake(worker: FakeWorker, port: int = 0) -> RunningFake:
+    server = grpc.aio.server(options=list(SERVER_KEEPALIVE_OPTIONS))
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    assert bound, "could not bind"
+    await server.start()
+    running = RunningFake(server, bound, worker, health_servicer)
+    await running.set_serving(True)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return running
+
+
+async def _main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--zone", default="zone-a")
+    parser.add_argument("--worker-id", default="")
+    parser.add_argument("--token-delay-ms", type=float, default=5.0)
+    parser.add_argument("--checksum", default=CHECKSUM)
+    args = parser.parse_args()
+    worker = FakeWorker(zone=args.zone, worker_id=args.worker_id or f"fake-{args.port}",
+                        token_delay_s=args.token_delay_ms / 1000, checksum=args.checksum)
+    running = await start_fake(worker, args.port)
+    await running.server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

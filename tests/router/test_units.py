@@ -1,0 +1,297 @@
+"""Pure unit tests: circuit breaker, batching window adaptation, routing, admission."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from services.router.admission import Admission, NoCapacity
+from services.router.batching import AdaptiveWindow
+from services.router.breaker import Circuit, CircuitBreaker
+from services.router.registry import SERVING, ChecksumBook, Load, WorkerInfo, WorkerState
+from services.router.routing import Policy, ZoneLadder, choose, prefix_key
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- circuit breaker ---------------------------------------------------------------
+
+
+def test_breaker_opens_half_opens_and_closes() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failure_threshold=2, base_backoff_s=1.0, max_backoff_s=8.0, clock=clock)
+    assert breaker.state is Circuit.CLOSED and breaker.allows()
+    breaker.record_failure()
+    assert breaker.state is Circuit.CLOSED
+    breaker.record_failure()
+    assert breaker.state is Circuit.OPEN and not breaker.allows()
+    clock.now += 0.99
+    assert breaker.state is Circuit.OPEN
+    clock.now += 0.02
+    assert breaker.state is Circuit.HALF_OPEN and breaker.allows()
+    breaker.on_dispatch()  # the one trial
+    assert not breaker.allows()
+    breaker.record_success()
+    assert breaker.state is Circuit.CLOSED and breaker.allows()
+
+
+def test_breaker_backoff_doubles_on_failed_trials_and_is_capped() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failure_threshold=1, base_backoff_s=1.0, max_backoff_s=3.0, clock=clock)
+    breaker.record_failure()
+    assert breaker.backoff_s == 1.0
+    for expected in (2.0, 3.0, 3.0):
+        clock.now += breaker.backoff_s
+        assert breaker.state is Circuit.HALF_OPEN
+        breaker.on_dispatch()
+        breaker.record_failure()
+        assert breaker.state is Circuit.OPEN
+        assert breaker.backoff_s == expected
+    breaker.reset()
+    assert breaker.state is Circuit.CLOSED and breaker.backoff_s == 0.0
+
+
+def test_breaker_success_resets_failure_count() -> None:
+    breaker = CircuitBreaker(failure_threshold=2, clock=Clock())
+    breaker.record_failure()
+    breaker.record_success()
+    breaker.record_failure()
+    assert breaker.state is Circuit.CLOSED
+
+
+# ---- batching window -----------------------------------------------------------------
+
+
+def test_window_idle_sends_immediately() -> None:
+    window = AdaptiveWindow(max_wait_ms=10, max_size=16)
+    window.observe(0.05)
+    plan = window.plan()
+    assert plan.wait_ms == 0 and plan.max_size == 1
+
+
+def test_window_grows_under_load_and_shrinks_back() -> None:
+    window = AdaptiveWindow(max_wait_ms=10, max_size=16)
+    waits, sizes = [], []
+    for _ in range(20):
+        window.observe(1.0)
+        plan = window.plan()
+        waits.append(plan.wait_ms)
+        sizes.append(plan.max_size)
+    assert waits == sorted(waits) and sizes == sorted(sizes)  # monotone growth
+    assert waits[-1] > 9.0 and sizes[-1] == 16
+    assert waits[-1] <= 10.0
+    for _ in range(20):
+        window.observe(0.0)
+    assert window.plan().wait_ms == 0 and window.plan().max_size == 1
+
+
+def test_window_moderate_load_gives_moderate_window() -> None:
+    window = AdaptiveWindow(max_wait_ms=10, max_size=16)
+    for _ in range(50):
+        window.observe(0.6)
+    plan = window.plan()
+    assert 0 < plan.wait_ms < 10 and 2 <= plan.max_size < 16
+
+
+def test_window_off_when_max_wait_zero() -> None:
+    window = AdaptiveWindow(max_wait_ms=0, max_size=16)
+    for _ in range(10):
+        window.observe(1.0)
+    assert window.plan().wait_ms == 0 and window.plan().max_size == 1
+
+
+# ---- routing ---------------------------------------------------------------------------
+
+
+def worker(address: str, zone: str, *, in_flight: int = 0, capacity: int = 8, kv: float = 0.0,
+           model: str = "m", healthy: bool = True) -> WorkerState:
+    state = WorkerState(address=address, breaker=CircuitBreaker(clock=Clock()), zone_label=zone,
+                        default_capacity=capacity)
+    state.info = WorkerInfo(model=model, tokenizer_checksum="c", worker_id=address)
+    state.health = SERVING if healthy else "NOT_SERVING"
+    state.reachable = True
+    state.in_flight = in_flight
+    state.load = Load(kv_cache_usage=kv)
+    return state
+
+
+LADDER = ZoneLadder(["zone-a", "zone-b", "kunpeng"], ["kunpeng"])
+
+
+def test_zone_ladder_prefers_best_zone_and_falls_back() -> None:
+    a = worker("a", "zone-a", in_flight=5)
+    b = worker("b", "zone-b")
+    k = worker("k", "kunpeng")
+    assert choose([k, b, a], "m", LADDER, None).worker is a  # busier, but the better zone
+    a.health = "NOT_SERVING"
+    assert choose([k, b, a], "m", LADDER, None).worker is b
+    b.breaker.record_failure()  # circuit opens
+    choice = choose([k, b, a], "m", LADDER, None)
+    assert choice.worker is k and LADDER.is_degraded(choice.zone)
+    k.reachable = False
+    choice = choose([k, b, a], "m", LADDER, None)
+    assert choice.worker is None and not choice.routable
+
+
+def test_full_best_zone_waits_instead_of_spilling() -> None:
+    a = worker("a", "zone-a", in_flight=2, capacity=2)
+    k = worker("k", "kunpeng")
+    choice = choose([a, k], "m", LADDER, None)
+    assert choice.worker is None and choice.routable and choice.zone == "zone-a"
+
+
+def test_unknown_zone_ranks_last_and_model_filter() -> None:
+    x = worker("x", "elsewhere")
+    k = worker("k", "kunpeng", model="other")
+    assert choose([x, k], "m", LADDER, None).worker is x
+    assert choose([x, k], "other", LADDER, None).worker is k
+    assert choose([x, k], "missing", LADDER, None).worker is None
+
+
+def test_least_loaded_wins_without_affinity() -> None:
+    ws = [worker("a", "zone-a", in_flight=3), worker("b", "zone-a", in_flight=1),
+          worker("c", "zone-a", in_flight=2)]
+    assert choose(ws, "m", LADDER, None).worker is ws[1]
+    ws[1].load.kv_cache_usage = 0.9  # KV pressure counts too
+    assert choose(ws, "m", LADDER, None).worker is ws[2]
+
+
+def test_prefix_affinity_is_stable_and_spreads_keys() -> None:
+    ws = [worker(f"w{i}", "zone-a") for i in range(4)]
+    homes = Counter()
+    for p in range(200):
+        key = prefix_key([p, 1, 2, 3], 64)
+        first = choose(ws, "m", LADDER, key)
+        again = choose(ws, "m", LADDER, key)
+        assert first.affinity and first.worker is again.worker
+        assert first.worker is not None
+        homes[first.worker.address] += 1
+    assert len(homes) == 4 and min(homes.values()) > 20
+    # Only the first N tokens matter.
+    assert prefix_key([1, 2, 3, 4], 2) == prefix_key([1, 2, 9, 9], 2)
+    assert prefix_key([], 64) is None and prefix_key([1], 0) is None
+
+
+def test_prefix_affinity_yields_to_balance_bound() -> None:
+    ws = [worker(f"w{i}", "zone-a", capacity=100) for i in range(3)]
+    key = prefix_key([42, 43], 64)
+    home = choose(ws, "m", LADDER, key).worker
+    assert home is not None
+    policy = Policy(balance_factor=1.5, balance_slack=2.0)
+    home.in_flight = 2  # within slack of the idle others
+    assert choose(ws, "m", LADDER, key, policy).worker is home
+    home.in_flight = 3  # beyond 1.5 x 0 + 2
+    choice = choose(ws, "m", LADDER, key, policy)
+    assert choice.worker is not home and not choice.affinity
+
+
+def test_excluded_workers_are_a_last_resort() -> None:
+    a, b = worker("a", "zone-a"), worker("b", "zone-b")
+    assert choose([a, b], "m", LADDER, None, exclude=frozenset({"a"})).worker is b
+    assert choose([a], "m", LADDER, None, exclude=frozenset({"a"})).worker is a
+
+
+def test_checksum_book() -> None:
+    book = ChecksumBook({"m": "sha256:good"})
+    assert book.check("m", "sha256:good", "w1") == ""
+    assert "differs" in book.check("m", "sha256:bad", "w2")
+    book.learn("m", "sha256:other", "tokenizer tier")  # settings win
+    assert book.expected("m") == "sha256:good"
+    assert book.check("n", "sha256:first", "w3") == ""  # first worker sets it
+    assert book.check("n", "sha256:second", "w4")
+
+
+# ---- admission --------------------------------------------------------------------------
+
+
+class Slots:
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self.unavailable = False
+
+    def pick(self) -> str:
+        if self.unavailable:
+            raise Unavailable("nothing")
+        if self.free <= 0:
+            raise NoCapacity()
+        self.free -= 1
+        return "slot"
+
+    def release(self, _: str) -> None:
+        self.free += 1
+
+
+async def test_admission_immediate_queue_and_priority_order() -> None:
+    slots = Slots(1)
+    adm: Admission[str] = Admission(max_queue=2)
+    assert await adm.acquire(slots.pick, 0, None, slots.release) == "slot"
+    order: list[str] = []
+
+    async def waiter(name: str, priority: int) -> None:
+        await adm.acquire(slots.pick, priority, None, slots.release)
+        order.append(name)
+
+    tasks = [asyncio.ensure_future(waiter("low", 5)), asyncio.ensure_future(waiter("high", 0))]
+    await asyncio.sleep(0.01)
+    assert adm.depth() == 2 and order == []
+    for _ in range(2):
+        slots.release("slot")
+        adm.wake()
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    assert order == ["high", "low"]
+    assert adm.depth() == 0
+
+
+async def test_admission_full_queue_is_resource_exhausted_with_hint() -> None:
+    slots = Slots(0)
+    adm: Admission[str] = Admission(max_queue=1)
+    task = asyncio.ensure_future(adm.acquire(slots.pick, 0, None, slots.release))
+    await asyncio.sleep(0.01)
+    with pytest.raises(ResourceExhausted) as err:
+        await adm.acquire(slots.pick, 0, None, slots.release)
+    assert 0.1 <= err.value.retry_after_s <= 10
+    # Another priority class has its own bound.
+    other = asyncio.ensure_future(adm.acquire(slots.pick, 1, None, slots.release))
+    await asyncio.sleep(0.01)
+    assert adm.depths() == {0: 1, 1: 1}
+    task.cancel()
+    other.cancel()
+    await asyncio.gather(task, other, return_exceptions=True)
+    assert adm.depth() == 0
+
+
+async def test_admission_deadline_and_unavailable_while_waiting() -> None:
+    import time
+
+    slots = Slots(0)
+    adm: Admission[str] = Admission(max_queue=4)
+    with pytest.raises(DeadlineExceeded):
+        await adm.acquire(slots.pick, 0, time.monotonic() + 0.05, slots.release)
+    task = asyncio.ensure_future(adm.acquire(slots.pick, 0, None, slots.release))
+    await asyncio.sleep(0.01)
+    slots.unavailable = True
+    adm.wake()
+    with pytest.raises(Unavailable):
+        await task
+
+
+async def test_admission_releases_slot_handed_to_cancelled_waiter() -> None:
+    slots = Slots(0)
+    adm: Admission[str] = Admission(max_queue=4)
+    task = asyncio.ensure_future(adm.acquire(slots.pick, 0, None, slots.release))
+    await asyncio.sleep(0.01)
+    slots.free = 1
+    adm.wake()  # the slot is reserved for the waiter...
+    task.cancel()  # ...which is cancelled before it runs
+    await asyncio.gather(task, return_exceptions=True)
+    assert slots.free == 1
