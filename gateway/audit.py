@@ -17,8 +17,9 @@ class AuditLog:
         if path == "-":
             self._stream = sys.stderr
         elif path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._stream = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            target = Path(path).expanduser()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._stream = open(target, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     def write(self, entry: dict[str, Any]) -> None:
         if self._stream is None:

@@ -1,0 +1,110 @@
+"""The configuration schema of a whole mesh, shared by ``llmesh up`` and the Kubernetes ConfigMaps.
+
+A YAML file; every key is optional::
+
+    model: smollm2-135m-instruct      # a name `llmesh model` knows, or a model directory
+    served_model_name: ""             # id clients use (default: the directory name)
+    gateway: {host: 127.0.0.1, port: 50051, http_port: -1, default_filter_mode: off,
+              audit_log: "", settings: {...}}          # settings: any GatewaySettings field
+    tokenizer: {replicas: 1, settings: {...}}
+    postprocessor: {replicas: 1, settings: {...}}
+    router: {replicas: 1, zones: [zone-a, zone-b, kunpeng], degraded_zones: [kunpeng],
+             settings: {...}}
+    workers:                          # one process each
+      - {zone: zone-a, device: cpu, engine: vllm, cpu_omp_threads_bind: "0",
+         settings: {max_num_seqs: 32, ...}}
+    tls: {enabled: false, mutual: true, certs_dir: ""}  # certs from `llmesh certs`
+    tenants:                          # API keys are stored only as SHA-256
+      - {name: demo, key_sha256: <hex>, requests_per_minute: 30, tokens_per_minute: 0,
+         filter_mode: redact}
+    otel: {exporter: none, endpoint: ""}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TierConfig(_Strict):
+    replicas: int = 1
+    """How many processes of this tier to start."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """Extra settings passed as flags (any field of the tier's settings class)."""
+
+
+class GatewayConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = 50051
+    http_port: int = -1
+    """OpenAI-compatible HTTP port; -1 disables it."""
+    default_filter_mode: str = "off"
+    audit_log: str = ""
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class RouterConfig(TierConfig):
+    zones: list[str] = Field(default_factory=list)
+    """Zone ladder, best first; empty means the workers' zones in order of appearance."""
+    degraded_zones: list[str] = Field(default_factory=list)
+
+
+class WorkerConfig(_Strict):
+    zone: str = "zone-a"
+    device: str = "cpu"
+    engine: str = "vllm"
+    """vllm, or fake (a deterministic test engine)."""
+    cpu_omp_threads_bind: str = ""
+    """Cores for this worker's engine (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1"."""
+    model: str = ""
+    """Overrides the mesh's model for this worker."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class TlsConfig(_Strict):
+    enabled: bool = False
+    mutual: bool = True
+    """Require client certificates on every hop (and from gateway clients)."""
+    certs_dir: str = ""
+    """Where ca.pem, server.pem, ... live; empty means ${LLMESH_HOME}/certs."""
+
+
+class TenantConfig(_Strict):
+    name: str
+    key_sha256: str
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    filter_mode: str = "off"
+
+
+class OtelConfig(_Strict):
+    exporter: str = ""
+    """otlp, console or none; empty keeps the environment's OTEL_TRACES_EXPORTER."""
+    endpoint: str = ""
+
+
+class MeshConfig(_Strict):
+    model: str = "smollm2-135m-instruct"
+    served_model_name: str = ""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    tokenizer: TierConfig = Field(default_factory=TierConfig)
+    postprocessor: TierConfig = Field(default_factory=TierConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    workers: list[WorkerConfig] = Field(default_factory=lambda: [WorkerConfig()])
+    tls: TlsConfig = Field(default_factory=TlsConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    otel: OtelConfig = Field(default_factory=OtelConfig)
+
+
+def load_mesh_config(path: str | Path | None) -> MeshConfig:
+    if path is None:
+        return MeshConfig()
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return MeshConfig.model_validate(data)

@@ -1,0 +1,278 @@
+"""``llmesh up``: start a whole local mesh as processes and stop it cleanly.
+
+Start order follows dependencies (tokenizer and postprocessor, then workers, then the
+router that needs the workers, then the public gateway last, so the public port only
+opens once everything behind it is SERVING). Stop order is the reverse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from llmesh.home import certs_dir, run_dir
+from llmesh.meshconfig import MeshConfig, load_mesh_config
+from llmesh.procs import TierProcess, free_port, spawn_tier
+
+SERVICES = {
+    "gateway": "llmesh.v1.InferenceService",
+    "tokenizer": "llmesh.tokenizer.v1.TokenizerService",
+    "postprocessor": "llmesh.postprocess.v1.PostprocessService",
+    "router": "llmesh.router.v1.RouterService",
+    "worker": "llmesh.worker.v1.WorkerService",
+}
+STATE_FILE = "mesh.json"
+
+
+def _flags(settings: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list | dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def resolve_model(spec: str) -> Path:
+    from llmesh.models import MODELS, ensure_model
+
+    if spec in MODELS:
+        return ensure_model(spec)
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"llmesh up: model {spec!r} is neither a known name nor a model directory")
+    return path
+
+
+class Mesh:
+    """The processes of one local mesh."""
+
+    def __init__(self, config: MeshConfig, *, log_dir: Path, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.host = host
+        self.procs: list[TierProcess] = []
+        self.tls_dir = Path(config.tls.certs_dir).expanduser() if config.tls.certs_dir else certs_dir()
+        self.model_dir = resolve_model(config.model)
+        from services.common.modelinfo import served_model_name
+
+        self.model_name = served_model_name(self.model_dir, config.served_model_name)
+
+    # -- TLS ---------------------------------------------------------------------------
+
+    def _server_tls_flags(self) -> list[str]:
+        if not self.config.tls.enabled:
+            return []
+        d = self.tls_dir
+        flags = ["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server-key.pem")]
+        if self.config.tls.mutual:
+            flags += ["--tls-client-ca", str(d / "ca.pem")]
+        return flags
+
+    def _client_tls_flags(self) -> list[str]:
+        if not self.config.tls.enabled:
+            return []
+        d = self.tls_dir
+        flags = ["--downstream-tls-ca", str(d / "ca.pem")]
+        if self.config.tls.mutual:
+            flags += ["--downstream-tls-cert", str(d / "client.pem"),
+                      "--downstream-tls-key", str(d / "client-key.pem")]
+        return flags
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.config.tls.enabled:
+            return None
+        d = self.tls_dir
+        return grpc.ssl_channel_credentials(
+            root_certificates=(d / "ca.pem").read_bytes(),
+            private_key=(d / "client-key.pem").read_bytes() if self.config.tls.mutual else None,
+            certificate_chain=(d / "client.pem").read_bytes() if self.config.tls.mutual else None,
+        )
+
+    def _ensure_certs(self) -> None:
+        if not self.config.tls.enabled or (self.tls_dir / "ca.pem").exists():
+            return
+        from llmesh.certs import write_dev_certs
+
+        write_dev_certs(self.tls_dir)
+
+    # -- starting --------------------------------------------------------------------------
+
+    def _env(self, tier: str) -> dict[str, str]:
+        env = {"OTEL_SERVICE_NAME": f"llmesh-{tier}"}
+        if self.config.otel.exporter:
+            env["OTEL_TRACES_EXPORTER"] = self.config.otel.exporter
+        if self.config.otel.endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.config.otel.endpoint
+        return env
+
+    def _spawn(self, name: str, tier: str, args: list[str], *, port: int, zone: str = "",
+               env: dict[str, str] | None = None, server_tls: bool = True) -> TierProcess:
+        metrics_port = free_port(self.host)
+        argv = ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port),
+                "--log-format", "json", *args]
+        if server_tls:
+            argv += self._server_tls_flags()
+        proc = spawn_tier(
+            name, tier, argv, address=f"{self.host}:{port}", service=SERVICES[tier],
+            env={**self._env(tier), **(env or {})}, log_dir=self.log_dir, zone=zone,
+            metrics_port=metrics_port,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def _wait(self, procs: list[TierProcess], timeout: float) -> None:
+        creds = self.credentials()
+        for proc in procs:
+            proc.wait_serving(timeout=timeout, credentials=creds)
+            print(f"  {proc.name:<16} SERVING  {proc.address}  pid {proc.pid}", file=sys.stderr)
+
+    def start(self) -> None:
+        cfg = self.config
+        self._ensure_certs()
+        model_flag = json.dumps([f"{self.model_name}={self.model_dir}"])
+        tokenizers = [
+            self._spawn(f"tokenizer-{i}", "tokenizer",
+                        ["--models", model_flag, *_flags(cfg.tokenizer.settings)],
+                        port=free_port(self.host))
+            for i in range(cfg.tokenizer.replicas)
+        ]
+        posts = [
+            self._spawn(f"postprocessor-{i}", "postprocessor",
+                        ["--models", model_flag, *_flags(cfg.postprocessor.settings)],
+                        port=free_port(self.host))
+            for i in range(cfg.postprocessor.replicas)
+        ]
+        workers = []
+        for i, w in enumerate(cfg.workers):
+            model_dir = resolve_model(w.model) if w.model else self.model_dir
+            env = {}
+            if w.cpu_omp_threads_bind:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = w.cpu_omp_threads_bind
+            args = ["--model", str(model_dir), "--served-model-name", self.model_name,
+                    "--zone", w.zone, "--device", w.device, "--engine", w.engine,
+                    "--worker-id", f"worker-{i}-{w.zone}", *_flags(w.settings)]
+            workers.append(self._spawn(f"worker-{i}", "worker", args, port=free_port(self.host),
+                                       zone=w.zone, env=env))
+        self._wait(tokenizers + posts, timeout=120)
+        self._wait(workers, timeout=600)
+        zones = cfg.router.zones or list(dict.fromkeys(w.zone for w in cfg.workers))
+        worker_list = [
+            {"address": p.address, "zone": w.zone, "device": w.device, "models": [self.model_name],
+             "worker_id": f"worker-{i}-{w.zone}"}
+            for i, (p, w) in enumerate(zip(workers, cfg.workers, strict=True))
+        ]
+        routers = [
+            self._spawn(
+                f"router-{i}", "router",
+                ["--workers", json.dumps(worker_list), "--zones", json.dumps(zones),
+                 "--degraded-zones", json.dumps(cfg.router.degraded_zones),
+                 "--tokenizer-target", tokenizers[0].address,
+                 *self._client_tls_flags(), *_flags(cfg.router.settings)],
+                port=free_port(self.host),
+            )
+            for i in range(cfg.router.replicas)
+        ]
+        self._wait(routers, timeout=120)
+        gw_args = [
+            "--tokenizer-targets", json.dumps([p.address for p in tokenizers]),
+            "--router-targets", json.dumps([p.address for p in routers]),
+            "--postprocessor-targets", json.dumps([p.address for p in posts]),
+            "--default-filter-mode", cfg.gateway.default_filter_mode,
+            *self._client_tls_flags(), *_flags(cfg.gateway.settings),
+        ]
+        if cfg.gateway.audit_log:
+            gw_args += ["--audit-log", cfg.gateway.audit_log]
+        if cfg.gateway.http_port >= 0:
+            gw_args += ["--http-port", str(cfg.gateway.http_port), "--http-host", cfg.gateway.host]
+        if cfg.tenants:
+            tenants_file = self.log_dir / "tenants.json"
+            tenants_file.write_text(json.dumps([t.model_dump() for t in cfg.tenants]))
+            gw_args += ["--tenants-file", str(tenants_file)]
+        gateway = self._spawn("gateway", "gateway", gw_args, port=cfg.gateway.port)
+        gateway.address = f"{cfg.gateway.host}:{cfg.gateway.port}"
+        self._wait([gateway], timeout=120)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "tls": self.config.tls.enabled,
+            "certs_dir": str(self.tls_dir) if self.config.tls.enabled else "",
+            "mutual_tls": self.config.tls.mutual,
+            "http": (f"http://{self.config.gateway.host}:{self.config.gateway.http_port}"
+                     if self.config.gateway.http_port >= 0 else ""),
+            "processes": [
+                {"name": p.name, "tier": p.tier, "zone": p.zone, "address": p.address, "pid": p.pid,
+                 "metrics_port": p.metrics_port, "service": p.service,
+                 "log": str(p.log_path) if p.log_path else ""}
+                for p in self.procs
+            ],
+        }
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop(timeout=20)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="llmesh up",
+        description="Start a whole local mesh (tokenizer, postprocessor, workers, router, gateway) "
+        "on the embedded default model, wait until every process is SERVING, print the endpoints, "
+        "and stop everything on Ctrl-C or SIGTERM.",
+    )
+    parser.add_argument("--config", help="mesh YAML (see deploy/local/*.yaml); default: one CPU worker")
+    parser.add_argument("--log-dir", help="where process logs go (default ${LLMESH_HOME}/run/logs)")
+    args = parser.parse_args(argv)
+    config = load_mesh_config(args.config)
+    state_dir = run_dir()
+    log_dir = Path(args.log_dir) if args.log_dir else state_dir / "logs"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    mesh = Mesh(config, log_dir=log_dir)
+    state_path = state_dir / STATE_FILE
+    print(f"llmesh up: starting the mesh on {mesh.model_name} (logs in {log_dir})", file=sys.stderr)
+    try:
+        mesh.start()
+        state_path.write_text(json.dumps({**mesh.state(), "pid": os.getpid()}, indent=2))
+        gw = config.gateway
+        scheme = "TLS" if config.tls.enabled else "plaintext"
+        print(f"\nllmesh is up: gateway {gw.host}:{gw.port} ({scheme}), model {mesh.model_name}")
+        if gw.http_port >= 0:
+            print(f"OpenAI-compatible HTTP: http://{gw.host}:{gw.http_port}/v1")
+        print("try:  grpcurl -plaintext -d '{\"messages\":[{\"role\":\"user\",\"content\":"
+              "\"What is the capital of France?\"}]}' "
+              f"{gw.host}:{gw.port} llmesh.v1.InferenceService/GenerateStream")
+        print("status: llmesh status    stop: Ctrl-C", flush=True)
+        while not stop.wait(1.0):
+            for proc in mesh.procs:
+                if not proc.alive() and not proc.extra.get("reported"):
+                    proc.extra["reported"] = True
+                    print(f"llmesh up: {proc.name} exited with code {proc.popen.returncode}",
+                          file=sys.stderr, flush=True)
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"llmesh up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("llmesh up: stopping", file=sys.stderr, flush=True)
+        mesh.stop()
+        if state_path.exists():
+            state_path.unlink()
+        time.sleep(0)
+    print("llmesh up: stopped", file=sys.stderr)
+    return 0
