@@ -1,0 +1,290 @@
+"""OpenAI-compatible HTTP surface over the same :class:`GatewayCore` as the gRPC API.
+
+Transport only: requests are converted to :class:`GenerateCall`, errors come from the
+same domain exceptions and are rendered in OpenAI's error shape. Tenants, quotas,
+filters, tracing and failover are the core's, shared with gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from gateway.core import Deadline, GatewayCore
+from gateway.settings import GatewaySettings
+from gateway.types import ChatTurn, Completion, GenerateCall, Sampling, TextDelta
+from services.common.errors import InvalidArgument, LlmeshError, map_exception
+
+log = logging.getLogger(__name__)
+
+_HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "NOT_FOUND": (404, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+    "CANCELLED": (499, "cancelled"),
+}
+_OPENAI_FINISH = {"stop": "stop", "length": "length", "content_filter": "content_filter",
+                  "cancelled": "stop", "error": "stop"}
+CORE_KEY = web.AppKey("core", GatewayCore)
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    mapped = map_exception(exc)
+    status, kind = _HTTP_STATUS.get(mapped.code.name, (500, "server_error"))
+    param = exc.field if isinstance(exc, InvalidArgument) else None
+    code = "model_not_found" if mapped.code.name == "NOT_FOUND" else mapped.code.name.lower()
+    headers = {}
+    retry = getattr(exc, "retry_after_s", None)
+    if retry is not None:
+        headers["Retry-After"] = str(max(1, round(retry)))
+    body = {"error": {"message": mapped.message, "type": kind, "param": param, "code": code}}
+    return status, body, headers
+
+
+def _json_error(exc: BaseException) -> web.Response:
+    status, body, headers = error_body(exc)
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise InvalidArgument(name, f"must be a number, got {value!r}")
+    if not isinstance(value, kind):
+        raise InvalidArgument(name, f"has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise InvalidArgument("stop", "must be a string or a list of strings")
+    n = _field(body, "n", int, 1)
+    if n != 1:
+        raise InvalidArgument("n", "only n=1 is supported")
+    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
+    logprobs: int | None = None
+    raw_logprobs = body.get("logprobs")
+    if isinstance(raw_logprobs, bool):
+        logprobs = _field(body, "top_logprobs", int, 0) if raw_logprobs else None
+    elif raw_logprobs is not None:
+        logprobs = _field(body, "logprobs", int)
+    number = (int, float)
+    return Sampling(
+        temperature=_float(_field(body, "temperature", number)),
+        top_p=_float(_field(body, "top_p", number)),
+        top_k=_field(body, "top_k", int),
+        min_p=_float(_field(body, "min_p", number)),
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        min_tokens=_field(body, "min_tokens", int),
+        stop=list(stop or []),
+        stop_token_ids=list(_field(body, "stop_token_ids", list, [])),
+        seed=_field(body, "seed", int),
+        repetition_penalty=_float(_field(body, "repetition_penalty", number)),
+        presence_penalty=_float(_field(body, "presence_penalty", number)),
+        frequency_penalty=_float(_field(body, "frequency_penalty", number)),
+        ignore_eos=_field(body, "ignore_eos", bool),
+        logprobs=logprobs,
+    )
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _content(raw: Any, index: int) -> str:
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        parts = []
+        for part in raw:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidArgument(f"messages[{index}].content", "only text content parts are supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    if raw is None:
+        return ""
+    raise InvalidArgument(f"messages[{index}].content", "must be a string or a list of text parts")
+
+
+def chat_call(body: dict[str, Any]) -> GenerateCall:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages", "must be a non-empty list")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidArgument(f"messages[{i}]", "must be an object")
+        turns.append(ChatTurn(role=str(m.get("role", "")), content=_content(m.get("content"), i)))
+    return GenerateCall(model=_field(body, "model", str, ""), messages=turns,
+                        sampling=_sampling(body, None))
+
+
+def completion_call(body: dict[str, Any]) -> GenerateCall:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidArgument("prompt", "must be a string (one prompt per request)")
+    if body.get("echo"):
+        raise InvalidArgument("echo", "is not supported")
+    # OpenAI's completions endpoint defaults max_tokens to 16.
+    return GenerateCall(model=_field(body, "model", str, ""), prompt=prompt, sampling=_sampling(body, 16))
+
+
+def _usage(c: Completion) -> dict[str, Any]:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+
+
+def _llmesh_extra(c: Completion) -> dict[str, Any]:
+    sb = c.served_by
+    return {"served_by": {"worker_id": sb.worker_id, "zone": sb.zone, "device": sb.device,
+                          "degraded": sb.degraded, "resumed": sb.resumed},
+            "matched_stop": c.matched_stop,
+            "timing": {"queue_ms": c.timing.queue_ms, "ttft_ms": c.timing.ttft_ms,
+                       "total_ms": c.timing.total_ms}}
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument("body", f"is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    return body
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    core = request.app[CORE_KEY]
+    try:
+        tenant = core.tenants.authenticate(request.headers.get("Authorization"))
+        body = await _body(request)
+        call = chat_call(body) if chat else completion_call(body)
+        stream = bool(body.get("stream", False))
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+    except LlmeshError as exc:
+        return _json_error(exc)
+    created = int(time.time())
+    rid = uuid.uuid4().hex
+    call.request_id = rid
+    object_name = "chat.completion" if chat else "text_completion"
+    oid = ("chatcmpl-" if chat else "cmpl-") + rid
+    if not stream:
+        try:
+            c = await core.generate(tenant, call, Deadline())
+        except LlmeshError as exc:
+            return _json_error(exc)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _OPENAI_FINISH.get(c.finish_reason, "stop"),
+                                  "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        return web.json_response({"id": oid, "object": object_name, "created": created, "model": c.model,
+                                  "choices": [choice], "usage": _usage(c), "llmesh": _llmesh_extra(c)})
+    items = core.generate_stream(tenant, call, Deadline())
+    # Fail before the 200 when validation, auth or the first tier call fails.
+    try:
+        first = await items.__anext__()
+    except LlmeshError as exc:
+        return _json_error(exc)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    chunk_name = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(payload: dict[str, Any]) -> None:
+        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+    def chunk(delta: dict[str, Any] | str, finish: str | None, model: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {"id": oid, "object": chunk_name, "created": created, "model": model, "choices": [choice]}
+
+    async def all_items() -> AsyncIterator[TextDelta | Completion]:
+        yield first
+        async for item in items:
+            yield item
+
+    model = call.model
+    try:
+        if chat:
+            await send(chunk({"role": "assistant", "content": ""}, None, model))
+        async for item in all_items():
+            if isinstance(item, TextDelta):
+                await send(chunk({"content": item.text} if chat else item.text, None, model))
+            else:
+                model = item.model
+                finish = _OPENAI_FINISH.get(item.finish_reason, "stop")
+                await send(chunk({} if chat else "", finish, model))
+                if include_usage:
+                    await send({"id": oid, "object": chunk_name, "created": created, "model": model,
+                                "choices": [], "usage": _usage(item)})
+    except LlmeshError as exc:
+        _, body_err, _ = error_body(exc)
+        await send(body_err)
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def models(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    try:
+        core.tenants.authenticate(request.headers.get("Authorization"))
+        metas = await core.list_models(Deadline.after(10))
+    except LlmeshError as exc:
+        return _json_error(exc)
+    return web.json_response({"object": "list", "data": [
+        {"id": m.id, "object": "model", "created": 0, "owned_by": "llmesh",
+         "max_model_len": m.max_context_length}
+        for m in metas
+    ]})
+
+
+def build_app(core: GatewayCore) -> web.Application:
+    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app[CORE_KEY] = core
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def start_http(core: GatewayCore, settings: GatewaySettings) -> web.AppRunner:
+    runner = web.AppRunner(build_app(core), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.http_host, settings.http_port)
+    await site.start()
+    log.info("OpenAI-compatible HTTP on %s:%d", settings.http_host, settings.http_port)
+    return runner

