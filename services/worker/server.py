@@ -219,12 +219,17 @@ async def run_worker(ws: WorkerServer) -> int:
     settings = ws.settings
     loop = asyncio.get_running_loop()
 
+    async def report_dead_then_stop() -> None:
+        await ws.handle.set_ready(False)
+        # Linger so health pollers and watchers see NOT_SERVING rather than just a gone peer.
+        await asyncio.sleep(settings.engine_dead_linger_s)
+        ws.stop_event.set()
+
     def on_engine_dead() -> None:
         # Called from the core: stop serving now; the process exits non-zero.
         ws.exit_code = EXIT_ENGINE_DEAD
         metrics.SERVING.set(0)
-        ws._background.append(loop.create_task(ws.handle.set_ready(False)))
-        ws.stop_event.set()
+        ws._background.append(loop.create_task(report_dead_then_stop()))
 
     async def on_health_change(serving: bool) -> None:
         metrics.SERVING.set(1 if serving else 0)

@@ -1,0 +1,156 @@
+"""The fake engine alone: determinism, the greedy-resume property, sampling limits, load."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.worker.engine import Engine, EngineDeadError, EngineRequest, FinishReason, Sampling
+from services.worker.fake_engine import FakeEngine, FakeModel, fake_greedy, next_token
+
+
+async def run(engine: FakeEngine, prompt: list[int], **sampling: object) -> tuple[list[int], object]:
+    req = EngineRequest(request_id=f"r{id(prompt)}-{len(prompt)}", prompt_token_ids=tuple(prompt),
+                        sampling=Sampling(**sampling))  # type: ignore[arg-type]
+    tokens: list[int] = []
+    last = None
+    async for out in engine.generate(req):
+        tokens += out.token_ids
+        last = out
+    return tokens, last
+
+
+@pytest.fixture(scope="module")
+def model(tiny_deepseek_dir: Path) -> FakeModel:
+    return FakeModel.from_dir(tiny_deepseek_dir)
+
+
+def test_reads_vocab_and_special_tokens(model: FakeModel, smollm2_dir: Path) -> None:
+    assert model.vocab_size == 4096
+    assert model.eos_token_id == 1
+    assert {0, 1, 2} <= model.special_ids
+    smol = FakeModel.from_dir(smollm2_dir)
+    assert smol.vocab_size == 49152
+    assert set(range(17)) <= smol.special_ids
+
+
+def test_next_token_is_a_function_of_the_tail(model: FakeModel) -> None:
+    assert next_token([9, 10, 11, 12, 13], model) == next_token([99, 10, 11, 12, 13], model)
+    assert next_token([10, 11, 12, 13], model) != next_token([10, 11, 12, 14], model)
+
+
+@given(prompt=st.lists(st.integers(3, 4095), min_size=1, max_size=12))
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_never_emits_special_tokens(model: FakeModel, prompt: list[int]) -> None:
+    assert not set(fake_greedy(prompt, 20, model)) & model.special_ids
+
+
+@given(prompt=st.lists(st.integers(3, 4095), min_size=1, max_size=10), n=st.integers(2, 24), data=st.data())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_greedy_resume_equals_undisturbed_run(tiny_deepseek_dir: Path, prompt: list[int], n: int,
+                                              data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, n - 1))
+
+    async def scenario() -> None:
+        engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=0)
+        full, final = await run(engine, prompt, max_tokens=n)
+        assert len(full) == n and final.finish_reason is FinishReason.LENGTH  # type: ignore[attr-defined]
+        head, _ = await run(engine, prompt, max_tokens=k)
+        tail, _ = await run(engine, prompt + head, max_tokens=n - k)
+        assert head + tail == full
+
+    asyncio.run(scenario())
+
+
+async def test_satisfies_the_engine_protocol(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir)
+    assert isinstance(engine, Engine)
+    info = engine.info
+    assert (info.vocab_size, info.max_model_len, info.eos_token_ids) == (4096, 2048, (1,))
+
+
+async def test_eos_after_min_tokens_and_ignore_eos(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=0, eos_after=3)
+    tokens, final = await run(engine, [10, 11], max_tokens=10)
+    assert len(tokens) == 4 and tokens[-1] == 1
+    assert final.finish_reason is FinishReason.STOP and final.stop_token_id == 1  # type: ignore[attr-defined]
+    tokens, final = await run(engine, [10, 11], max_tokens=10, min_tokens=6)
+    assert len(tokens) == 7 and tokens[-1] == 1
+    tokens, final = await run(engine, [10, 11], max_tokens=10, ignore_eos=True)
+    assert len(tokens) == 10 and 1 not in tokens
+    assert final.finish_reason is FinishReason.LENGTH  # type: ignore[attr-defined]
+
+
+async def test_stop_token_ids(tiny_deepseek_dir: Path, model: FakeModel) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=0)
+    expected = fake_greedy([20, 21, 22], 8, model)
+    stop = expected[4]
+    assert stop not in expected[:4]
+    tokens, final = await run(engine, [20, 21, 22], max_tokens=8, stop_token_ids=(stop,))
+    assert tokens == expected[:5]
+    assert final.finish_reason is FinishReason.STOP and final.stop_token_id == stop  # type: ignore[attr-defined]
+    # min_tokens suppresses the stop until enough tokens were generated.
+    tokens, _ = await run(engine, [20, 21, 22], max_tokens=8, min_tokens=6, stop_token_ids=(stop,))
+    assert tokens == expected
+
+
+async def test_context_length_bounds_generation(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=0, max_model_len=8)
+    tokens, final = await run(engine, [5, 6, 7, 8, 9])
+    assert len(tokens) == 3 and final.finish_reason is FinishReason.LENGTH  # type: ignore[attr-defined]
+
+
+async def test_logprobs(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=0)
+    req = EngineRequest("lp", (5, 6), Sampling(max_tokens=3, logprobs=3))
+    outs = [out async for out in engine.generate(req)]
+    for out in outs:
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        for token, lp in zip(out.token_ids, out.logprobs, strict=True):
+            assert lp.token_id == token and len(lp.top) == 3 and lp.top[0][0] == token
+
+
+async def test_running_limit_waiting_and_abort(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=2, max_running=2)
+    started = asyncio.Event()
+
+    async def consume(i: int) -> FinishReason | None:
+        req = EngineRequest(f"q{i}", (30 + i, 31), Sampling(max_tokens=100_000 if i < 3 else 5))
+        reason = None
+        async for out in engine.generate(req):
+            started.set()
+            reason = out.finish_reason
+        return reason
+
+    tasks = [asyncio.ensure_future(consume(i)) for i in range(4)]
+    await started.wait()
+    await asyncio.sleep(0.02)
+    load = engine.load()
+    assert (load.running, load.waiting) == (2, 2)
+    for i in range(3):
+        await engine.abort(f"q{i}")
+    results = await asyncio.gather(*tasks)
+    assert results[:3] == [FinishReason.ABORT] * 3
+    assert results[3] is FinishReason.LENGTH
+    assert (engine.load().running, engine.load().waiting) == (0, 0)
+
+
+async def test_kill_fails_running_generations(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=1)
+
+    async def consume() -> None:
+        async for _ in engine.generate(EngineRequest("k", (7, 8), Sampling(max_tokens=10_000))):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.02)
+    engine.kill()
+    with pytest.raises(EngineDeadError):
+        await task
+    assert engine.errored
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
