@@ -10,7 +10,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 
 from llmesh.procs import check_health, free_port, spawn_tier
 from services.worker.fake_engine import FakeEngine
@@ -102,7 +101,8 @@ def test_cli_help_and_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--model", "--zone", "--device", "--engine", "--tensor-parallel-size", "--max-num-seqs",
-                 "--enable-prefix-caching", "--cpu-kvcache-space-gb", "--fake-token-delay-ms", "--lora-modules"):
+                 "--enable-prefix-caching", "--cpu-kvcache-space-gb", "--fake-token-delay-ms",
+                 "--lora-modules"):
         assert flag in out
     assert main(["--model", "/nonexistent"]) == 2
     assert "config.json" in capsys.readouterr().err
