@@ -15,6 +15,7 @@ or the answer finished with ``error``, 2 on bad usage, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -104,10 +105,14 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         help="API key sent as 'authorization: Bearer <key>' (env LLMESH_API_KEY)",
     )
     conn.add_argument(
-        "--ca", default=_env("LLMESH_CA"), help="CA file (PEM): use TLS and verify the gateway (env LLMESH_CA)"
+        "--ca",
+        default=_env("LLMESH_CA"),
+        help="CA file (PEM): use TLS and verify the gateway (env LLMESH_CA)",
     )
     conn.add_argument(
-        "--cert", default=_env("LLMESH_CERT"), help="client certificate (PEM) for mutual TLS (env LLMESH_CERT)"
+        "--cert",
+        default=_env("LLMESH_CERT"),
+        help="client certificate (PEM) for mutual TLS (env LLMESH_CERT)",
     )
     conn.add_argument(
         "--key", default=_env("LLMESH_KEY"), help="client private key (PEM) for mutual TLS (env LLMESH_KEY)"
@@ -217,7 +222,7 @@ def _exit_for(done: Completion) -> int:
 def run_generate(args: argparse.Namespace, client: Client) -> int:
     prompt = args.prompt
     if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.read().rstrip("\r\n")  # `echo text |` adds a newline nobody typed
     if not prompt.strip():
         print("llmesh generate: error: empty prompt", file=sys.stderr)
         return EXIT_USAGE
@@ -338,10 +343,9 @@ def main(argv: Sequence[str] | None = None, mode: str = "generate") -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # stdout closed early (e.g. piped into head): not an error worth a traceback.
-        try:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - swallow the final flush at exit
-        except OSError:
-            pass
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
 
 

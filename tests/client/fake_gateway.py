@@ -72,7 +72,9 @@ def _validate(request: Any) -> None:
     violations = []
     s = request.sampling
     if s.HasField("temperature") and s.temperature < 0:
-        violations.append(errors.FieldViolation("sampling.temperature", f"must be >= 0, got {s.temperature:g}"))
+        violations.append(
+            errors.FieldViolation("sampling.temperature", f"must be >= 0, got {s.temperature:g}")
+        )
     if s.HasField("top_p") and not 0 < s.top_p <= 1:
         violations.append(errors.FieldViolation("sampling.top_p", f"must be in (0, 1], got {s.top_p:g}"))
     if violations:

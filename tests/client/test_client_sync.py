@@ -165,9 +165,9 @@ def test_stream_is_retried_before_the_first_message(fake: FakeGateway) -> None:
 
 def test_retries_give_up_after_max_attempts(fake: FakeGateway) -> None:
     fake.state.fail_unavailable = 10
-    with Client(fake.address, timeout=10, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01)) as c:
-        with pytest.raises(UnavailableError, match="no zone can serve"):
-            c.generate("x")
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.01)
+    with Client(fake.address, timeout=10, retry=policy) as c, pytest.raises(UnavailableError, match="zone"):
+        c.generate("x")
     assert len(fake.state.attempts("Generate")) == 3
 
 
@@ -176,7 +176,8 @@ def test_no_retry_with_one_attempt(fake: FakeGateway) -> None:
     with Client(fake.address, timeout=10, max_attempts=1) as c, pytest.raises(UnavailableError):
         c.generate("x")
     assert len(fake.state.attempts("Generate")) == 1
-    assert json.loads(RetryPolicy(max_attempts=1).service_config())["methodConfig"][0].get("retryPolicy") is None
+    config = json.loads(RetryPolicy(max_attempts=1).service_config())
+    assert "retryPolicy" not in config["methodConfig"][0]
 
 
 def test_other_codes_are_not_retried(fake: FakeGateway) -> None:

@@ -31,9 +31,11 @@ def test_wrong_ca_or_name_is_refused(
     tls_gateway: FakeGateway, tmp_path: Path, dev_certs: dict[str, Path]
 ) -> None:
     other = write_dev_certs(tmp_path / "other")
-    with Client(tls_gateway.address, ca=other["ca"], timeout=3, max_attempts=1) as client:
-        with pytest.raises(UnavailableError):
-            client.generate("x")
+    with (
+        Client(tls_gateway.address, ca=other["ca"], timeout=3, max_attempts=1) as client,
+        pytest.raises(UnavailableError),
+    ):
+        client.generate("x")
     with Client(
         tls_gateway.address, ca=dev_certs["ca"], server_name="not-in-the-cert", timeout=3, max_attempts=1
     ) as client, pytest.raises(UnavailableError):
@@ -41,9 +43,11 @@ def test_wrong_ca_or_name_is_refused(
 
 
 def test_mtls_requires_a_client_certificate(mtls_gateway: FakeGateway, dev_certs: dict[str, Path]) -> None:
-    with Client(mtls_gateway.address, ca=dev_certs["ca"], timeout=3, max_attempts=1) as client:
-        with pytest.raises(UnavailableError):
-            client.generate("x")
+    with (
+        Client(mtls_gateway.address, ca=dev_certs["ca"], timeout=3, max_attempts=1) as client,
+        pytest.raises(UnavailableError),
+    ):
+        client.generate("x")
     with Client(
         mtls_gateway.address,
         ca=dev_certs["ca"],
