@@ -1,0 +1,1 @@
+"""Postprocessor tier: incremental detokenization, stop strings, output filter, finish reasons."""

@@ -1,0 +1,67 @@
+"""PostprocessService servicer: one bidirectional stream per request.
+
+Protocol (see postprocess.proto): a ProcessConfig first, then ProcessTokens deltas, then
+ProcessEnd. Text deltas go back as they become safe, then exactly one ProcessFinal. A
+stop string or a blocked match sends ProcessFinal at once and ends the call; the caller
+then stops the engine, and whatever it still sends is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
+from services.common.errors import InvalidArgument
+from services.postprocessor import convert, metrics
+from services.postprocessor.core import PostprocessCore, PostprocessSession, Step
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = postprocess_pb2.DESCRIPTOR.services_by_name["PostprocessService"].full_name
+
+
+class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
+    def __init__(self, core: PostprocessCore) -> None:
+        self.core = core
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[postprocess_pb2.ProcessRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[postprocess_pb2.ProcessResponse]:
+        session: PostprocessSession | None = None
+        async for request in request_iterator:
+            kind = request.WhichOneof("kind")
+            if session is None:
+                if kind != "config":
+                    raise InvalidArgument("config", "the first message of a stream must be a ProcessConfig")
+                session = self.core.open(convert.session_config_from_proto(request.config))
+                metrics.REQUESTS.labels(session.model.name).inc()
+                continue
+            if kind == "tokens":
+                ids = list(request.tokens.token_ids)
+                step: Step = session.feed(ids)
+                metrics.TOKENS.labels(session.model.name).inc(len(ids))
+            elif kind == "end":
+                step = session.end(convert.upstream_from_proto(request.end.finish_reason))
+            elif kind == "config":
+                raise InvalidArgument("config", "a stream takes one ProcessConfig, at its start")
+            else:
+                raise InvalidArgument("kind", "empty ProcessRequest: set config, tokens or end")
+            if step.text:
+                yield convert.delta(step.text)
+            if step.final is not None:
+                metrics.FINISHES.labels(step.final.finish_reason.value).inc()
+                if step.final.matched_stop:
+                    metrics.STOP_STRING_HITS.labels(session.model.name).inc()
+                log.debug("stream finished: %s after %d tokens, %d redactions",
+                          step.final.finish_reason.value, step.final.completion_tokens,
+                          step.final.redactions)
+                yield convert.final(step.final)
+                return
+        if session is None:
+            raise InvalidArgument("config", "the stream closed before its ProcessConfig")
+        raise InvalidArgument("end", "the stream closed before ProcessEnd")
