@@ -228,16 +228,25 @@ def write_dev_certs(
     return paths
 
 
-def ensure_dev_certs(out_dir: str | Path | None = None, **kwargs: object) -> dict[str, Path]:
+def ensure_dev_certs(
+    out_dir: str | Path | None = None,
+    *,
+    sans: Sequence[str] = (),
+    client_cn: str = "llmesh-client",
+    days: int = 30,
+    key_type: str = "ec",
+) -> dict[str, Path]:
     """Return the existing certificate set, writing a new one only if none is there.
 
-    A partial set (some files missing) raises :class:`CertificatesExistError` rather than
-    mixing old and new material; fix it with ``llmesh certs --force``.
+    Meant for ``llmesh up``: a second start reuses the certificates clients already trust.
+    An existing set is returned as is (its SANs are not compared with ``sans``). A partial
+    set (some files missing) raises :class:`CertificatesExistError` rather than mixing old
+    and new material; fix it with ``llmesh certs --force``.
     """
     paths = dev_cert_paths(out_dir)
     if all(p.exists() for p in paths.values()):
         return paths
-    return write_dev_certs(out_dir, **kwargs)  # type: ignore[arg-type]
+    return write_dev_certs(out_dir, sans=sans, client_cn=client_cn, days=days, key_type=key_type)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -121,7 +121,10 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         "--server-name", default=None, help="name expected in the gateway's certificate, if not the host"
     )
     conn.add_argument(
-        "--timeout", type=float, default=300.0, help="deadline of each answer in seconds (default 300)"
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="deadline of each answer in seconds (default 300; 0 = none)",
     )
     conn.add_argument(
         "--max-attempts",
@@ -255,6 +258,17 @@ def run_generate(args: argparse.Namespace, client: Client) -> int:
     return _exit_for(done)
 
 
+def _read_turn(interactive: bool) -> str | None:
+    """One line of user input without its newline; None at end of input."""
+    if interactive:
+        try:
+            return input("> ")
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
 def run_chat(args: argparse.Namespace, client: Client) -> int:
     interactive = sys.stdin.isatty()
     opening = [ChatMessage("system", args.system)] if args.system else []
@@ -262,20 +276,19 @@ def run_chat(args: argparse.Namespace, client: Client) -> int:
     options = _options(args)
     if interactive:
         print(f"llmesh chat with {args.target} ({CHAT_COMMANDS})", file=sys.stderr)
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401 - gives input() line editing and history
     status = EXIT_OK
     while True:
-        if interactive:
-            print("> ", end="", file=sys.stderr, flush=True)
         try:
-            line = sys.stdin.readline()
+            text = _read_turn(interactive)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return status
-        if not line:  # end of input
+        if text is None:  # end of input
             if interactive:
                 print(file=sys.stderr)
             return status
-        text = line.rstrip("\r\n")
         command = text.strip()
         if not command:
             continue
@@ -294,8 +307,9 @@ def run_chat(args: argparse.Namespace, client: Client) -> int:
             done = _stream_to(sys.stdout, stream)
         except LlmeshClientError as err:
             history.pop()  # the turn did not happen: keep the conversation consistent
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            if stream.text:
+                sys.stdout.write("\n")  # end the partial answer
+                sys.stdout.flush()
             print(f"llmesh chat: {format_error(err)}", file=sys.stderr)
             if not interactive:
                 return EXIT_FAILED

@@ -9,7 +9,8 @@ Behaviour:
   user message and N counts the user messages; it streams word by word, then one final
   ``GenerateResponse`` (empty text, usage, served_by, timing);
 - ``max_tokens`` cuts it (finish ``length``), ``stop`` strings end it (finish ``stop``,
-  ``matched_stop``);
+  ``matched_stop``); with ``logprobs`` set, each delta carries a token id (its length)
+  and logprobs;
 - with ``api_key`` set, calls without ``authorization: Bearer <key>`` get UNAUTHENTICATED;
 - ``fail_unavailable = N``: the next N calls fail with UNAVAILABLE before any response;
 - prompts: ``slow:<s>`` sleeps before the first delta; ``drip...`` sleeps 0.2 s per delta;
@@ -175,7 +176,16 @@ class FakeInferenceService(inference_pb2_grpc.InferenceServiceServicer):
                     raise errors.Unavailable("fake: worker lost mid-stream")
                 if request.prompt.startswith("drip"):
                     await asyncio.sleep(0.2)
-                yield inference_pb2.GenerateStreamResponse(delta=inference_pb2.StreamDelta(text=delta))
+                out = inference_pb2.StreamDelta(text=delta)
+                if request.sampling.HasField("logprobs"):
+                    # One "token" per delta: id = its length, with logprobs alternatives.
+                    out.token_ids.append(len(delta))
+                    out.logprobs.add(
+                        token_id=len(delta), logprob=-0.5,
+                        top=[inference_pb2.TopLogprob(token_id=len(delta) + 1, logprob=-1.5)]
+                        * request.sampling.logprobs,
+                    )
+                yield inference_pb2.GenerateStreamResponse(delta=out)
             if request.prompt == "no-final":
                 record.outcome = "ok"
                 return

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +178,74 @@ def test_summary_line_and_error_format() -> None:
 def test_main_rejects_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match="mode"):
         chat.main([], mode="shout")
+
+
+def _spawn(*args: str, **kwargs: object) -> subprocess.Popen[bytes]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMESH_")}
+    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
+        [sys.executable, "-m", "llmesh.cli", *args], cwd=REPO, env=clean, **kwargs
+    )
+
+
+def _wait_outcome(fake: FakeGateway, method: str) -> str:
+    for _ in range(200):
+        attempts = fake.state.attempts(method)
+        if attempts and attempts[-1].outcome != "running":
+            return attempts[-1].outcome
+        time.sleep(0.02)
+    return "running"
+
+
+def test_ctrl_c_cancels_the_generation(fake: FakeGateway) -> None:
+    proc = _spawn(
+        "generate", "drip " + "word " * 100, "--target", fake.address,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.read(len("echo: "))  # the first delta arrived: the call is running
+        assert first == b"echo: "
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert b"interrupted" in err
+    assert _wait_outcome(fake, "GenerateStream") == "cancelled"
+
+
+def test_chat_on_a_terminal(fake: FakeGateway) -> None:
+    leader, follower = pty.openpty()
+    proc = _spawn("chat", "--target", fake.address, "--summary",
+                  stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float = 20.0) -> None:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while marker not in seen and time.monotonic() < end:
+            ready, _, _ = select.select([leader], [], [], 0.1)
+            if ready:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+        assert marker in seen, seen
+
+    try:
+        read_until(b"> ")
+        os.write(leader, b"hello tty\n")
+        read_until(b"echo: hello tty (turn 1)")
+        read_until(b"finish=stop")
+        os.write(leader, b"again\n")
+        read_until(b"echo: again (turn 2)")
+        os.write(leader, b"/exit\n")
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)

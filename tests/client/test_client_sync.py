@@ -263,3 +263,14 @@ def test_unreachable_target_is_unavailable() -> None:
             c.generate("x")
         with pytest.raises(UnavailableError, match="not reachable"):
             c.wait_ready(timeout=0.2)
+
+
+def test_stream_collects_token_ids_and_logprobs(client: Client, fake: FakeGateway) -> None:
+    stream = client.stream("ab c", logprobs=2)
+    assert list(stream) == ["echo: ", "ab ", "c"]
+    final = stream.final
+    assert final.token_ids == (6, 3, 1)
+    assert [lp.token_id for lp in final.logprobs] == [6, 3, 1]
+    assert final.logprobs[0].logprob == pytest.approx(-0.5)
+    assert final.logprobs[0].top == ((7, pytest.approx(-1.5)), (7, pytest.approx(-1.5)))
+    assert fake.state.attempts("GenerateStream")[0].request.sampling.logprobs == 2
