@@ -100,6 +100,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "Usage",
+    "completion_from_proto",
     "error_from_rpc",
 ]
 

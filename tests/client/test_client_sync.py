@@ -12,15 +12,19 @@ from llmesh.client import (
     ChatMessage,
     Client,
     DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     LlmeshClientError,
     NotFoundError,
+    PermissionDeniedError,
     RequestCancelledError,
     ResourceExhaustedError,
     RetryPolicy,
     StreamProtocolError,
     UnauthenticatedError,
     UnavailableError,
+    error_from_rpc,
 )
 
 from .fake_gateway import FakeGateway
@@ -274,3 +278,50 @@ def test_stream_collects_token_ids_and_logprobs(client: Client, fake: FakeGatewa
     assert final.logprobs[0].logprob == pytest.approx(-0.5)
     assert final.logprobs[0].top == ((7, pytest.approx(-1.5)), (7, pytest.approx(-1.5)))
     assert fake.state.attempts("GenerateStream")[0].request.sampling.logprobs == 2
+
+
+class _FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()) -> None:
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgumentError),
+        (grpc.StatusCode.NOT_FOUND, NotFoundError),
+        (grpc.StatusCode.UNAUTHENTICATED, UnauthenticatedError),
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhaustedError),
+        (grpc.StatusCode.UNAVAILABLE, UnavailableError),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError),
+        (grpc.StatusCode.CANCELLED, RequestCancelledError),
+        (grpc.StatusCode.FAILED_PRECONDITION, FailedPreconditionError),
+        (grpc.StatusCode.INTERNAL, InternalError),
+        (grpc.StatusCode.UNIMPLEMENTED, LlmeshClientError),
+    ],
+)
+def test_error_class_per_status_code(code: grpc.StatusCode, cls: type[LlmeshClientError]) -> None:
+    err = error_from_rpc(_FakeRpcError(code, "why"))
+    assert type(err) is cls
+    assert (err.code, err.message, err.details) == (code, "why", ())
+
+
+def test_error_decoding_tolerates_bad_rich_status() -> None:
+    from google.rpc import status_pb2
+
+    # A rich status whose code disagrees with the call's: keep the call's code and message.
+    rich = status_pb2.Status(code=5, message="other").SerializeToString()
+    err = error_from_rpc(
+        _FakeRpcError(grpc.StatusCode.UNAVAILABLE, "", (("grpc-status-details-bin", rich),))
+    )
+    assert isinstance(err, UnavailableError) and err.message == "unavailable"
