@@ -8,6 +8,7 @@ as does ``asyncio.CancelledError`` (the client went away).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -96,8 +97,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             start = time.perf_counter()
             code = "OK"
             try:
-                async for item in inner_stream(request, context):
-                    yield item
+                result = inner_stream(request, context)
+                if inspect.isawaitable(result):
+                    # A handler that writes with context.write() (grpc's health Watch does).
+                    await result
+                else:
+                    async for item in result:
+                        yield item
             except grpc.aio.AbortError:
                 code = _code_of(context, "UNKNOWN")
                 raise

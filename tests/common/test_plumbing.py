@@ -231,3 +231,13 @@ async def test_shutdown_order_drains_in_flight_calls():
     assert events.index("not_ready") < events.index("stopped") < events.index("engine_closed")
     assert events[-1] == "closed"
     assert closed == ["engine"]
+
+
+async def test_health_watch_streams_through_the_interceptors(running):
+    """grpc's health Watch writes with context.write(): the interceptor must not break it."""
+    _, channel, _, _ = running
+    call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))
+    async for reply in call:
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        break
+    call.cancel()
