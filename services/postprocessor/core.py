@@ -12,6 +12,7 @@ completed a stop string or a blocked match.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -258,12 +259,16 @@ class PostprocessCore:
                  on_redaction: Callable[[str], None] | None = None) -> None:
         if not models:
             raise ValueError("at least one model is required")
-        self.models = models
+        # The served name is the key; keep each model's own name in step with it.
+        self.models = {
+            name: model if model.name == name else dataclasses.replace(model, name=name)
+            for name, model in models.items()
+        }
         self.default_model = next(iter(models))
         self.limits = limits or Limits()
         self.default_filter_mode = default_filter_mode
         self.on_redaction = on_redaction
-        self._byte_ids = {name: byte_fallback_ids(m.tokenizer) for name, m in models.items()}
+        self._byte_ids = {name: byte_fallback_ids(m.tokenizer) for name, m in self.models.items()}
 
     def open(self, config: SessionConfig, field: str = "config") -> PostprocessSession:
         """Validate ``config`` and start a session (errors name ``config.<field>``)."""

@@ -9,6 +9,7 @@ encodes does not scale).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 from collections import deque
@@ -253,10 +254,14 @@ class TokenizerCore:
                  on_batch: Callable[[int], None] | None = None) -> None:
         if not models:
             raise ValueError("at least one model is required")
-        self.models = models
+        # The served name is the key; keep each model's own name in step with it.
+        self.models = {
+            name: model if model.name == name else dataclasses.replace(model, name=name)
+            for name, model in models.items()
+        }
         self.default_model = next(iter(models))
         self.limits = limits or Limits()
-        self.renderers = {name: ChatRenderer(model) for name, model in models.items()}
+        self.renderers = {name: ChatRenderer(model) for name, model in self.models.items()}
         self.batcher = EncodeBatcher(threads=threads, max_batch=max_batch, on_batch=on_batch)
 
     def resolve(self, name: str, field: str) -> LoadedTokenizer:

@@ -1,0 +1,45 @@
+"""``llmesh tokenizer`` as a real process: flags, env, readiness, metrics, clean SIGTERM exit."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+
+from llmesh.procs import free_port, spawn_tier
+from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.cli import main
+from services.tokenizer.servicer import SERVICE_NAME
+from tests.tokenizer.conftest import TINY
+
+
+def test_help_lists_settings_flags(capsys):
+    try:
+        main(["--help"])
+    except SystemExit as exit_:
+        assert exit_.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--models", "--max-messages", "--encode-threads", "LLMESH_TOKENIZER_MODELS"):
+        assert flag in out
+
+
+def test_process_serves_and_stops_cleanly(tiny_deepseek_dir, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    proc = spawn_tier(
+        "tokenizer", "tokenizer",
+        ["--port", str(port), "--metrics-port", str(metrics_port), "--drain-seconds", "0"],
+        address=f"127.0.0.1:{port}", service=SERVICE_NAME, log_dir=tmp_path,
+        env={"LLMESH_TOKENIZER_MODELS": f'["{TINY}={tiny_deepseek_dir}"]'},
+    )
+    try:
+        proc.wait_serving(timeout=60)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            reply = stub.Encode(tokenizer_pb2.EncodeRequest(
+                input=tokenizer_pb2.EncodeInput(prompt="hello")), timeout=10)
+            assert reply.result.model == TINY and reply.result.count > 0
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert f'llmesh_tokenizer_inputs_total{{kind="prompt",model="{TINY}"}}' in body
+    finally:
+        code = proc.stop()
+    assert code == 0, (tmp_path / "tokenizer.log").read_text()
