@@ -125,8 +125,11 @@ def tier_parser(tier: str) -> argparse.ArgumentParser:
         if callable(getattr(cli, "build_parser", None)):
             parser = cli.build_parser()
     if parser is None:
+        cls = settings_class(tier)
+        if cls is None:
+            raise ArgumentError(f"the {tier} tier has no settings class yet")
         parser = argparse.ArgumentParser(prog=f"llmesh {tier}")
-        add_settings_arguments(parser, settings_class(tier))
+        add_settings_arguments(parser, cls)
 
     def error(message: str) -> NoReturn:
         raise ArgumentError(message)
@@ -420,8 +423,8 @@ def check_config(
         (w.settings.zone, w.settings.device): w for w in workers
     }
     for entry in config.workers:
-        inv = pools.pop((entry.zone, entry.device), None)
-        if inv is None:
+        pool = pools.pop((entry.zone, entry.device), None)
+        if pool is None:
             report.problems.append(f"{where}: config worker zone={entry.zone} device={entry.device} "
                                    "has no Deployment")
             continue
@@ -429,10 +432,10 @@ def check_config(
         wanted = {"model": model, "served_model_name": served, **entry.settings}
         if entry.cpu_omp_threads_bind:
             wanted["cpu_omp_threads_bind"] = entry.cpu_omp_threads_bind
-        for diff in _settings_differ(inv.settings, wanted):
-            report.problems.append(f"{inv.where}: {diff}")
-        if bool(inv.settings.tls_cert) != config.tls.enabled:
-            report.problems.append(f"{inv.where}: TLS does not match tls.enabled={config.tls.enabled}")
+        for diff in _settings_differ(pool.settings, wanted):
+            report.problems.append(f"{pool.where}: {diff}")
+        if bool(pool.settings.tls_cert) != config.tls.enabled:
+            report.problems.append(f"{pool.where}: TLS does not match tls.enabled={config.tls.enabled}")
     for (zone, device), left in pools.items():
         if left is not None:
             report.problems.append(f"{left.where}: worker {zone}/{device} is not in the config")
