@@ -76,7 +76,7 @@ VALIDATION_CASES = [
     ({"prompt": "x", "sampling": {"top_p": 0.0}}, "sampling.top_p"),
     ({"prompt": "x", "sampling": {"max_tokens": 0}}, "sampling.max_tokens"),
     ({"prompt": "x", "sampling": {"max_tokens": 5000}}, "sampling.max_tokens"),
-    ({"prompt": "x", "sampling": {"max_tokens": 2047}}, "sampling.max_tokens"),
+    ({"prompt": "hello world " * 20, "sampling": {"max_tokens": 2040}}, "sampling.max_tokens"),
     ({"prompt": "x", "sampling": {"stop": [f"s{i}" for i in range(17)]}}, "sampling.stop"),
     ({"prompt": "x", "sampling": {"stop": ["y" * 300]}}, "sampling.stop[0]"),
     ({"prompt": "x", "sampling": {"stop": [""]}}, "sampling.stop[0]"),

@@ -1,0 +1,182 @@
+"""One trace per request across every tier, and Prometheus counters that move right.
+
+The test starts its own OTLP/gRPC trace receiver, points every process of a real mesh
+(fake engine workers) at it, sends one GenerateStream carrying a client traceparent,
+and checks the spans; then it scrapes every process's /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from llmesh.meshconfig import MeshConfig, OtelConfig, RouterConfig, WorkerConfig
+from llmesh.procs import free_port
+from llmesh.up import Mesh
+from tests.gateway.helpers import request, stream_request, stub
+
+TIERS = ("gateway", "tokenizer", "router", "worker", "postprocessor")
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """A minimal OTLP/gRPC trace collector that keeps every span in memory."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, object]] = []
+        self.lock = threading.Lock()
+
+    def Export(self, request, context):  # noqa: N802 - OTLP method name
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                service = next(
+                    (a.value.string_value for a in resource_spans.resource.attributes
+                     if a.key == "service.name"), "",
+                )
+                for scope in resource_spans.scope_spans:
+                    for span in scope.spans:
+                        self.spans.append({
+                            "service": service, "name": span.name,
+                            "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
+                            "parent": span.parent_span_id.hex(),
+                            "attributes": {a.key: a.value for a in span.attributes},
+                        })
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[tuple[Receiver, int]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    rec = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield rec, port
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def traced_mesh(receiver, tiny_deepseek_dir: Path, tmp_path_factory) -> Iterator[Mesh]:
+    _, port = receiver
+    config = MeshConfig(
+        model=str(tiny_deepseek_dir),
+        gateway={"port": free_port(), "settings": {"drain_seconds": 0}},
+        router=RouterConfig(zones=["zone-a"]),
+        workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 2})],
+        otel=OtelConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}"),
+    )
+    os.environ["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+    mesh = Mesh(config, log_dir=tmp_path_factory.mktemp("traced-mesh"))
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def _address(mesh: Mesh) -> str:
+    return f"{mesh.config.gateway.host}:{mesh.config.gateway.port}"
+
+
+async def test_one_trace_spans_every_tier_and_continues_the_client(receiver, traced_mesh):
+    rec, _ = receiver
+    trace_id = os.urandom(16).hex()
+    client_span = os.urandom(8).hex()
+    traceparent = f"00-{trace_id}-{client_span}-01"
+    async with grpc.aio.insecure_channel(_address(traced_mesh)) as channel:
+        async for _ in stub(channel).GenerateStream(
+            stream_request(prompt="trace me", sampling={"max_tokens": 8}),
+            metadata=(("traceparent", traceparent),),
+        ):
+            pass
+    deadline = time.monotonic() + 20
+    services: set[str] = set()
+    while time.monotonic() < deadline:
+        with rec.lock:
+            mine = [s for s in rec.spans if s["trace_id"] == trace_id]
+        services = {str(s["service"]) for s in mine}
+        if all(f"llmesh-{t}" in services for t in TIERS):
+            break
+        await asyncio.sleep(0.5)
+    assert services >= {f"llmesh-{t}" for t in TIERS}, services
+    ids = {s["span_id"] for s in mine}
+    roots = [s for s in mine if s["parent"] == client_span]
+    assert roots and all(s["service"] == "llmesh-gateway" for s in roots)
+    for span in mine:
+        # Every span hangs off another span of this trace or off the client's span.
+        assert span["parent"] in ids or span["parent"] == client_span, span
+    by_id = {s["span_id"]: s for s in mine}
+
+    def ancestors(span: dict[str, object]) -> list[str]:
+        chain = []
+        while span["parent"] in by_id:
+            span = by_id[span["parent"]]
+            chain.append(str(span["service"]))
+        return chain
+
+    worker_spans = [s for s in mine if s["service"] == "llmesh-worker"]
+    assert any("llmesh-router" in ancestors(s) and "llmesh-gateway" in ancestors(s) for s in worker_spans)
+    generate = [s for s in mine if s["name"] == "gateway.generate"]
+    assert generate and "llmesh.model" in generate[0]["attributes"]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        match = re.match(r"^(\S+?)(\{.*\})?\s+(\S+)$", line)
+        if match:
+            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return samples
+
+
+def _sum(samples: dict[str, float], name: str, **labels: str) -> float:
+    total = 0.0
+    for key, value in samples.items():
+        if not key.startswith(name + "{") and key != name:
+            continue
+        if all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += value
+    return total
+
+
+async def test_metrics_move_by_the_right_amounts(traced_mesh):
+    procs = {p.tier: p for p in traced_mesh.procs}
+    for proc in traced_mesh.procs:
+        assert proc.metrics_port > 0
+    before = {tier: _scrape(p.metrics_port) for tier, p in procs.items()}
+    n, max_tokens = 4, 6
+    async with grpc.aio.insecure_channel(_address(traced_mesh)) as channel:
+        for i in range(n):
+            reply = await stub(channel).Generate(request(prompt=f"count {i}", sampling={"max_tokens": max_tokens}))
+            assert reply.usage.completion_tokens == max_tokens
+    await asyncio.sleep(0.5)
+    after = {tier: _scrape(p.metrics_port) for tier, p in procs.items()}
+
+    def moved(tier: str, name: str, **labels: str) -> float:
+        return _sum(after[tier], name, **labels) - _sum(before[tier], name, **labels)
+
+    assert moved("gateway", "llmesh_rpc_requests_total", tier="gateway", method="Generate", code="OK") == n
+    assert moved("tokenizer", "llmesh_rpc_requests_total", tier="tokenizer", method="Encode", code="OK") == n
+    assert moved("postprocessor", "llmesh_rpc_requests_total", tier="postprocessor", method="Process") == n
+    assert moved("router", "llmesh_rpc_requests_total", tier="router", method="Generate") == n
+    assert moved("gateway", "llmesh_gateway_completion_tokens_total") == n * max_tokens
+    assert moved("gateway", "llmesh_gateway_requests_total", finish_reason="length") == n
+    assert moved("gateway", "llmesh_gateway_request_duration_seconds_count") == n
+    assert moved("gateway", "llmesh_gateway_time_to_first_token_seconds_count") == n
+    worker_rpcs = moved("worker", "llmesh_rpc_requests_total", tier="worker", method="Generate") + moved(
+        "worker", "llmesh_rpc_requests_total", tier="worker", method="GenerateBatch"
+    )
+    assert 1 <= worker_rpcs <= n
