@@ -575,8 +575,25 @@ def check_all() -> Report:
             report.problems.append(f"{where}: does not render: {err}")
             continue
         report.extend(check_objects(objects, where))
-    for dockerfile in sorted(DOCKERFILES.glob("*Dockerfile*")):
+    for dockerfile in sorted(DOCKERFILES.glob("*.Dockerfile")):
         report.extend(check_dockerfile(dockerfile))
+    report.extend(check_healthcheck())
+    return report
+
+
+def check_healthcheck() -> Report:
+    """llmesh-healthcheck (deploy/docker/healthcheck.py) must know every tier's service."""
+    from deploy.docker import healthcheck  # type: ignore[attr-defined]
+
+    report = Report()
+    for tier in TIERS:
+        if healthcheck.SERVICES.get(tier) != readiness_service(tier):
+            report.problems.append(f"deploy/docker/healthcheck.py: {tier} readiness service is "
+                                   f"{healthcheck.SERVICES.get(tier)!r}, not {readiness_service(tier)!r}")
+        cls = settings_class(tier)
+        if cls is not None and healthcheck.DEFAULT_PORTS.get(tier) != cls.model_fields["port"].default:
+            report.problems.append(f"deploy/docker/healthcheck.py: {tier} default port differs from "
+                                   f"{cls.__name__}.port")
     return report
 
 
