@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -39,6 +40,16 @@ EXIT_INTERRUPTED = 130
 
 CHAT_COMMANDS = "/exit (or /quit) leaves, /reset starts a new conversation, /help shows this"
 
+EPILOG = """\
+exit status: 0 done, 1 the call failed (the gRPC status code is printed) or the answer
+finished with 'error', 2 bad usage, 130 interrupted (the generation is cancelled).
+
+examples:
+  llmesh generate --chat "What is the capital of France?" --max-tokens 32
+  echo "Once upon a time" | llmesh generate --temperature 0.7 --json
+  LLMESH_API_KEY=... llmesh chat --target gw:50051 --ca ca.pem --cert client.pem --key client-key.pem
+"""
+
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name) or default
@@ -48,10 +59,12 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     if mode == "generate":
         parser = argparse.ArgumentParser(
             prog="llmesh generate",
-            description=(
+            description=textwrap.fill(
                 "Send one prompt to the llmesh gateway and stream the answer to stdout; a summary "
                 "line (finish reason, tokens, worker, time to first token) goes to stderr."
             ),
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         parser.add_argument(
             "prompt",
@@ -73,10 +86,12 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     else:
         parser = argparse.ArgumentParser(
             prog="llmesh chat",
-            description=(
+            description=textwrap.fill(
                 "Interactive chat with the llmesh gateway. Each line read from stdin is a user "
                 f"turn; {CHAT_COMMANDS}. Works with piped stdin (stops at the first error)."
             ),
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     parser.add_argument("--system", default=None, help="system message that opens the conversation")
 
@@ -102,7 +117,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     conn.add_argument(
         "--api-key",
         default=_env("LLMESH_API_KEY"),
-        help="API key sent as 'authorization: Bearer <key>' (env LLMESH_API_KEY)",
+        help="API key sent as 'authorization: Bearer <key>' (env LLMESH_API_KEY, which keeps it out of ps)",
     )
     conn.add_argument(
         "--ca",
