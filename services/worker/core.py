@@ -341,7 +341,7 @@ class WorkerCore:
         )
 
     # -- health -------------------------------------------------------------------------
-    def canary_request(self, max_tokens: int = 1) -> EngineRequest:
+    def canary_request(self, max_tokens: int = 1, logprobs: int | None = None) -> EngineRequest:
         self._canary_seq += 1
         info = self.engine.info
         # A short fixed prompt of ordinary ids (low ids are often special tokens).
@@ -350,12 +350,12 @@ class WorkerCore:
         return EngineRequest(
             request_id=f"canary-{self._canary_seq}",
             prompt_token_ids=prompt,
-            sampling=Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            sampling=Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs),
         )
 
-    async def run_canary(self, timeout_s: float, max_tokens: int = 1) -> bool:
+    async def run_canary(self, timeout_s: float, max_tokens: int = 1, logprobs: int | None = None) -> bool:
         """One generation that must yield a token within ``timeout_s``; never raises."""
-        req = self.canary_request(max_tokens)
+        req = self.canary_request(max_tokens, logprobs)
         got_token = False
 
         async def run() -> None:
@@ -392,7 +392,9 @@ class WorkerCore:
 
     async def warm_up(self, timeout_s: float) -> None:
         """The first generation; the worker reports SERVING only after it succeeded."""
-        if not await self.run_canary(timeout_s, max_tokens=2):
+        # With logprobs: vLLM's first logprobs request pays a one-off cost of seconds on
+        # CPU; the warm-up pays it instead of the first caller.
+        if not await self.run_canary(timeout_s, max_tokens=2, logprobs=1):
             raise RuntimeError(f"warm-up generation failed: {self.health.last_error or 'engine dead'}")
         self.health.warmed_up = True
         self.health.canary_ok = True
