@@ -85,7 +85,7 @@ class PostSession(Protocol):
     async def send_tokens(self, token_ids: list[int]) -> None: ...
     async def send_end(self, finish_reason: str) -> None: ...
     async def read(self) -> PostDelta | PostFinal | None: ...
-    async def close(self) -> None: ...
+    async def close(self, graceful: bool = False) -> None: ...
 
 
 class PostprocessorTier(Protocol):
@@ -444,7 +444,8 @@ class _Stream:
                             if self.session is not None:
                                 with contextlib.suppress(TierUnavailable):
                                     await self.session.send_end(event.finish_reason)
-                        return
+                if self.router_ended:
+                    return
                 raise TierUnavailable("router stream ended without a final message")
             except TierUnavailable as exc:
                 failures += 1
@@ -523,7 +524,7 @@ class _Stream:
                 self._reader.cancel()
             if self.session is not None:
                 with contextlib.suppress(Exception):
-                    await self.session.close()
+                    await self.session.close(graceful=final is not None)
 
     def _completion(self, final: PostFinal) -> Completion:
         router_final = self.router_final or RouterFinal(finish_reason="abort")

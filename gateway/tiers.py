@@ -180,8 +180,9 @@ class GrpcRouterTier(_Replicas):
                         logprobs=convert.logprobs_from_common(reply.delta.logprobs),
                     )
                 elif reply.HasField("final"):
+                    # Keep reading until the router closes the stream, so the call (and
+                    # its client span) ends normally rather than by cancellation.
                     yield convert.router_final(reply.final)
-                    return
         except grpc.aio.AioRpcError as err:
             raise domain_error(err, tier="router") from None
         finally:
@@ -231,10 +232,25 @@ class GrpcPostSession:
             return PostDelta(text=reply.delta.text)
         return convert.post_final(reply.final)
 
-    async def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+    async def close(self, graceful: bool = False) -> None:
+        """Gracefully: half-close and drain to EOF so the call (and its span) ends
+        normally, cancelling if the replica does not finish promptly. Otherwise cancel."""
+        if self.closed:
+            return
+        self.closed = True
+        if not graceful:
             self.call.cancel()
+            return
+        try:
+            await asyncio.wait_for(self._drain(), 2.0)
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            self.call.cancel()
+
+    async def _drain(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await self.call.done_writing()
+        while await self.call.read() is not grpc.aio.EOF:
+            pass
 
 
 class GrpcPostprocessorTier(_Replicas):

@@ -36,7 +36,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.spans: list[dict[str, object]] = []
         self.lock = threading.Lock()
 
-    def Export(self, request, context):  # noqa: N802 - OTLP method name
+    def Export(self, request, context):
         with self.lock:
             for resource_spans in request.resource_spans:
                 service = next(
@@ -105,8 +105,11 @@ async def test_one_trace_spans_every_tier_and_continues_the_client(receiver, tra
         with rec.lock:
             mine = [s for s in rec.spans if s["trace_id"] == trace_id]
         services = {str(s["service"]) for s in mine}
-        if all(f"llmesh-{t}" in services for t in TIERS):
+        span_ids = {s["span_id"] for s in mine}
+        linked = all(s["parent"] in span_ids or s["parent"] == client_span for s in mine)
+        if linked and all(f"llmesh-{t}" in services for t in TIERS):
             break
+        # Client spans of long streams end (and are exported) after the server spans.
         await asyncio.sleep(0.5)
     assert services >= {f"llmesh-{t}" for t in TIERS}, services
     ids = {s["span_id"] for s in mine}
@@ -165,8 +168,8 @@ async def test_metrics_move_by_the_right_amounts(traced_mesh):
     await asyncio.sleep(0.5)
     after = {tier: _scrape(p.metrics_port) for tier, p in procs.items()}
 
-    def moved(tier: str, name: str, **labels: str) -> float:
-        return _sum(after[tier], name, **labels) - _sum(before[tier], name, **labels)
+    def moved(process: str, name: str, **labels: str) -> float:
+        return _sum(after[process], name, **labels) - _sum(before[process], name, **labels)
 
     assert moved("gateway", "llmesh_rpc_requests_total", tier="gateway", method="Generate", code="OK") == n
     assert moved("tokenizer", "llmesh_rpc_requests_total", tier="tokenizer", method="Encode", code="OK") == n

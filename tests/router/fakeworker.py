@@ -52,6 +52,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     running: dict[str, asyncio.Event] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    batched_ids: list[str] = field(default_factory=list)
+    """Request ids that arrived in a GenerateBatch call of two or more."""
     requests: list[common_pb2.TokenRequest] = field(default_factory=list)
 
     async def _run(self, request: common_pb2.TokenRequest) -> AsyncIterator[common_pb2.TokenDelta
@@ -94,6 +96,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     async def GenerateBatch(self, request, context):  # type: ignore[no-untyped-def]
         self.batch_sizes.append(len(request.requests))
+        if len(request.requests) > 1:
+            self.batched_ids += [r.request_id for r in request.requests]
         queue: asyncio.Queue[worker_pb2.GenerateBatchResponse | None] = asyncio.Queue()
 
         async def pump(req: common_pb2.TokenRequest) -> None:

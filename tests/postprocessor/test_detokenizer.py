@@ -1,0 +1,113 @@
+"""IncrementalDetokenizer: UTF-8-safe deltas whose concatenation equals tokenizer.decode."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.postprocessor.detokenizer import REPLACEMENT, IncrementalDetokenizer, byte_fallback_ids
+from tests.postprocessor.conftest import SMOL, TINY
+
+MULTIBYTE = "你好，世界！漢字テスト 😀👍🏽👩‍👩‍👧 ünïcödé Ωμέγα"
+
+
+def _stream(tokenizer, ids, chunks, skip=True):
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    deltas = []
+    pos = 0
+    for size in chunks:
+        if pos >= len(ids):
+            break
+        deltas.append(detok.add(ids[pos:pos + size]))
+        pos += size
+    if pos < len(ids):
+        deltas.append(detok.add(ids[pos:]))
+    deltas.append(detok.flush())
+    return deltas
+
+
+def _interesting_ids(model):
+    """Ids that make detokenizing hard: specials, byte pieces, pieces of CJK and emoji."""
+    tok = model.tokenizer
+    ids = set(model.special_ids)
+    ids |= set(byte_fallback_ids(tok))
+    ids |= set(tok.encode(MULTIBYTE, add_special_tokens=False).ids)
+    ids |= set(tok.encode(" Hello  world\n\n  indented", add_special_tokens=False).ids)
+    return sorted(ids)
+
+
+def _property(model_name):
+    @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def check(tokenizers, data):
+        model = tokenizers[model_name]
+        interesting = _interesting_ids(model)
+        token = st.one_of(st.integers(0, model.vocab_size - 1), st.sampled_from(interesting))
+        ids = data.draw(st.lists(token, max_size=48), label="ids")
+        chunks = data.draw(st.lists(st.integers(1, 6), max_size=48), label="chunks")
+        skip = data.draw(st.booleans(), label="skip_special_tokens")
+        deltas = _stream(model.tokenizer, ids, chunks, skip)
+        assert "".join(deltas) == model.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    return check
+
+
+test_concatenation_equals_decode_byte_level_bpe = _property(SMOL)
+test_concatenation_equals_decode_sentencepiece_byte_fallback = _property(TINY)
+
+
+@pytest.mark.parametrize("model_name", [SMOL, TINY])
+def test_cjk_and_emoji_split_across_tokens_never_emit_partial_characters(tokenizers, model_name):
+    tok = tokenizers[model_name].tokenizer
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False).ids
+    # The text really is split inside characters: some single tokens decode to U+FFFD.
+    assert any(REPLACEMENT in tok.decode([i]) for i in ids)
+    deltas = _stream(tok, ids, [1] * len(ids))
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) == MULTIBYTE
+
+
+def test_byte_fallback_character_is_held_until_complete(tokenizers):
+    tok = tokenizers[TINY].tokenizer
+    ids = [tok.token_to_id(f"<0x{b:02X}>") for b in "😀".encode()]
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add([i]) for i in ids] == ["", "", "", ""]  # held: the byte run may continue
+    word = tok.encode("ok", add_special_tokens=False).ids
+    assert detok.add(word) == tok.decode(ids + word) == "😀 ok"
+
+
+@pytest.mark.parametrize(("model_name", "expected"), [
+    (SMOL, ["Hello", " world", ",", " how", " are", " you"]),
+    # SentencePiece: the decoder strips one leading space of what it decodes; the
+    # window keeps the spaces between words, and the first word has none (as decode).
+    (TINY, None),
+])
+def test_leading_spaces_are_kept(tokenizers, model_name, expected):
+    tok = tokenizers[model_name].tokenizer
+    text = "Hello world, how are you"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    deltas = [d for d in _stream(tok, ids, [1] * len(ids)) if d]
+    assert "".join(deltas) == text == tok.decode(ids)
+    if expected is not None:
+        assert deltas == expected
+    assert any(d.startswith(" ") for d in deltas)
+
+
+def test_special_tokens_skipped_or_kept(tokenizers):
+    model = tokenizers[SMOL]
+    tok = model.tokenizer
+    ids = [*tok.encode("Paris.", add_special_tokens=False).ids, 2]  # 2 = <|im_end|> (EOS)
+    assert "".join(_stream(tok, ids, [1] * len(ids), skip=True)) == "Paris."
+    assert "".join(_stream(tok, ids, [1] * len(ids), skip=False)) == "Paris.<|im_end|>"
+
+
+def test_empty_stream_and_very_long_stream(tokenizers):
+    tok = tokenizers[TINY].tokenizer
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add([]) == "" and detok.flush() == ""
+    text = ("The quick brown fox 跳过 the lazy dog 🐕. " * 300).strip()
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) > 5000
+    deltas = _stream(tok, ids, [3] * (len(ids) // 3 + 1))
+    assert "".join(deltas) == tok.decode(ids) == text

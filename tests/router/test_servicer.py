@@ -1,0 +1,344 @@
+"""RouterService over real channels, with in-process WorkerService doubles."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from llmesh.router.v1 import router_pb2
+from services.router.core import Router
+from tests.router.fakeworker import FakeWorker, RunningFake, next_token, start_fake
+from tests.router.helpers import request, start_router, wait_for
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+async def fakes(*zones: str, **kwargs) -> list[RunningFake]:  # type: ignore[no-untyped-def]
+    return [await start_fake(FakeWorker(zone=z, worker_id=f"{z}-{i}", **kwargs)) for i, z in enumerate(zones)]
+
+
+async def stop_all(rut, workers: list[RunningFake]) -> None:  # type: ignore[no-untyped-def]
+    await rut.close()
+    for worker in workers:
+        await worker.stop()
+
+
+def details(err: grpc.aio.AioRpcError) -> list[object]:
+    status = rpc_status.from_call(err)
+    out: list[object] = []
+    for any_detail in status.details if status else []:
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+            if any_detail.Is(cls.DESCRIPTOR):
+                msg = cls()
+                any_detail.Unpack(msg)
+                out.append(msg)
+    return out
+
+
+async def test_generate_streams_tokens_with_served_by() -> None:
+    workers = await fakes("zone-a", "zone-b")
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        tokens, final = await rut.generate([1, 2, 3], 6)
+        assert tokens == expected_tokens([1, 2, 3], 6)
+        assert final.served_by.zone == "zone-a" and final.served_by.worker_id == "zone-a-0"
+        assert not final.served_by.degraded and final.served_by.resumed == 0 and final.retries == 0
+        assert final.final.completion_tokens == 6 and final.final.prompt_tokens == 3
+        assert final.final.finish_reason == 2  # LENGTH
+        assert final.final.total_ms >= final.final.ttft_ms > 0
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_failover_before_first_token_goes_to_next_worker() -> None:
+    workers = await fakes("zone-a", "zone-b")
+    workers[0].worker.fail_before_first = 1
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        tokens, final = await rut.generate([5, 6], 5)
+        assert tokens == expected_tokens([5, 6], 5)
+        assert final.retries == 1 and final.served_by.resumed == 0
+        assert final.served_by.zone == "zone-b"
+        status = await rut.status()
+        assert status[workers[0].address].circuit == router_pb2.CIRCUIT_STATE_OPEN
+        # After the backoff the circuit half-opens and a trial closes it again.
+        await asyncio.sleep(0.6)
+        tokens, final = await rut.generate([5, 6], 2)
+        assert final.served_by.zone == "zone-a"
+        status = await rut.status()
+        assert status[workers[0].address].circuit == router_pb2.CIRCUIT_STATE_CLOSED
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_degraded_zone_serves_with_degraded_flag_and_no_zone_is_unavailable() -> None:
+    workers = await fakes("zone-a", "kunpeng")
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        await workers[0].set_serving(False)
+        await wait_for(lambda: not rut.router.registry.workers[workers[0].address].healthy)
+        tokens, final = await rut.generate([9], 3)
+        assert tokens == expected_tokens([9], 3)
+        assert final.served_by.zone == "kunpeng" and final.served_by.degraded
+        assert final.served_by.device == "cpu"
+        await workers[1].set_serving(False)
+        await wait_for(lambda: not rut.router.registry.workers[workers[1].address].healthy)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([9], 3)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        await workers[0].set_serving(True)
+        await wait_for(lambda: rut.router.registry.workers[workers[0].address].healthy)
+        _, final = await rut.generate([9], 3)
+        assert final.served_by.zone == "zone-a"
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_bad_requests_get_clear_errors() -> None:
+    workers = await fakes("zone-a")
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([], 3)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        (bad,) = details(err.value)
+        assert isinstance(bad, error_details_pb2.BadRequest)
+        assert bad.field_violations[0].field == "request.prompt_token_ids"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([1], 3, model="no-such-model")
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.stub.Abort(router_pb2.AbortRequest())
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        # The router is still fine.
+        tokens, _ = await rut.generate([1], 2, model="fake-model")
+        assert len(tokens) == 2
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_tokenizer_mismatch_is_refused_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    workers = await fakes("zone-a", "zone-b")
+    workers[1].worker.checksum = "sha256:different"
+    with caplog.at_level("ERROR"):
+        rut = await start_router(
+            [(w.address, w.worker.zone) for w in workers], healthy=1,
+            model_checksums={"fake-model": "sha256:fake"},
+        )
+    try:
+        await wait_for(lambda: rut.router.registry.workers[workers[1].address].refused)
+        status = await rut.status()
+        assert status[workers[1].address].health == "REFUSED"
+        assert status[workers[0].address].health == "SERVING"
+        assert any("REFUSING" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+        for _ in range(3):
+            _, final = await rut.generate([1, 2], 2)
+            assert final.served_by.zone == "zone-a"
+        await workers[0].set_serving(False)
+        await wait_for(lambda: not rut.router.registry.workers[workers[0].address].healthy)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([1, 2], 2)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_list_workers_reports_everything() -> None:
+    workers = await fakes("zone-a", "kunpeng")
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        reply = await rut.stub.ListWorkers(router_pb2.ListWorkersRequest())
+        assert list(reply.zone_ladder) == ["zone-a", "zone-b", "kunpeng"]
+        assert [w.zone for w in reply.workers] == ["zone-a", "kunpeng"]
+        a, k = reply.workers
+        assert a.worker_id == "zone-a-0" and a.health == "SERVING" and a.pid > 0
+        assert a.circuit == router_pb2.CIRCUIT_STATE_CLOSED and a.device == "cpu"
+        assert list(a.models) == ["fake-model"] and not a.degraded and k.degraded
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_resume_token_ids_from_upstream_are_not_resent() -> None:
+    workers = await fakes("zone-a")
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        full = expected_tokens([4, 4, 4], 8)
+        tokens, final = await rut.generate([4, 4, 4], 8, resume=full[:3], resumed=1)
+        assert tokens == full[3:]
+        assert final.served_by.resumed == 1
+        assert final.final.completion_tokens == 8 and final.final.prompt_tokens == 3
+        seen = workers[0].worker.requests[-1]
+        assert list(seen.prompt_token_ids) == [4, 4, 4, *full[:3]]
+        assert seen.sampling.max_tokens == 5
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_client_cancel_aborts_worker_request() -> None:
+    workers = await fakes("zone-a", token_delay_s=0.05)
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        call = rut.stub.Generate(request([1, 2], 100, "cancel-me"))
+        got = 0
+        async for response in call:
+            got += len(response.delta.token_ids)
+            if got >= 2:
+                break
+        call.cancel()
+        await wait_for(lambda: not workers[0].worker.running, timeout=3)
+        await wait_for(lambda: rut.router.registry.workers[workers[0].address].in_flight == 0)
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_deadline_passes_through() -> None:
+    workers = await fakes("zone-a", token_delay_s=0.05)
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([1], 100, timeout=0.3)
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_for(lambda: not workers[0].worker.running, timeout=3)
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_abort_rpc_stops_a_running_request() -> None:
+    workers = await fakes("zone-a", token_delay_s=0.05)
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        task = asyncio.ensure_future(rut.generate([3], 200, request_id="abort-me"))
+        await wait_for(lambda: "abort-me" in workers[0].worker.running)
+        await rut.stub.Abort(router_pb2.AbortRequest(request_id="abort-me"))
+        tokens, final = await asyncio.wait_for(task, 5)
+        assert final.final.finish_reason == 3  # ABORT
+        assert len(tokens) < 200
+        await wait_for(lambda: not workers[0].worker.running, timeout=3)
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_batching_window_batches_and_demultiplexes_and_cancels_one() -> None:
+    workers = await fakes("zone-a", token_delay_s=0.02)
+    rut = await start_router(
+        [(workers[0].address, "zone-a")], batch_max_wait_ms=30, batch_max_size=8, worker_capacity=4,
+        max_queue=64,
+    )
+    try:
+        prompts = [[i, i + 1] for i in range(24)]
+        # Keep the worker busy so the window opens.
+        results = await asyncio.gather(*(rut.generate(p, 6) for p in prompts))
+        for p, (tokens, _) in zip(prompts, results, strict=True):
+            assert tokens == expected_tokens(p, 6)
+        assert max(workers[0].worker.batch_sizes) > 1
+        assert rut.router.registry.workers[workers[0].address].in_flight == 0
+
+        # Cancelling one request of a batch aborts only that one.
+        fake = workers[0].worker
+        fake.batch_sizes.clear()
+        fake.batched_ids.clear()
+        calls = {f"b{i}": rut.stub.Generate(request([50 + i], 30, f"b{i}")) for i in range(12)}
+        tasks = {rid: asyncio.ensure_future(_drain(call)) for rid, call in calls.items()}
+        await wait_for(lambda: any(rid in fake.running for rid in fake.batched_ids))
+        victim = next(rid for rid in fake.batched_ids if rid in fake.running)
+        calls[victim].cancel()
+        others = [task for rid, task in tasks.items() if rid != victim]
+        outs = await asyncio.gather(*others)
+        assert all(len(tokens) == 30 for tokens in outs)
+        assert fake.aborted == [victim]
+        await asyncio.gather(tasks[victim], return_exceptions=True)
+    finally:
+        await stop_all(rut, workers)
+
+
+async def _drain(call) -> list[int]:  # type: ignore[no-untyped-def]
+    tokens: list[int] = []
+    async for response in call:
+        tokens.extend(response.delta.token_ids)
+    return tokens
+
+
+async def test_overload_is_resource_exhausted_with_retry_info() -> None:
+    workers = await fakes("zone-a", token_delay_s=0.05)
+    rut = await start_router([(workers[0].address, "zone-a")], worker_capacity=1, max_queue=1)
+    try:
+        running = asyncio.ensure_future(rut.generate([1], 20))
+        await wait_for(lambda: rut.router.registry.workers[workers[0].address].in_flight == 1)
+        queued = asyncio.ensure_future(rut.generate([2], 2))
+        await wait_for(lambda: rut.router.admission.depth() == 1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([3], 2)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        (retry,) = details(err.value)
+        assert isinstance(retry, error_details_pb2.RetryInfo)
+        assert retry.retry_delay.ToMilliseconds() >= 100
+        # A different priority class has its own bound.
+        other = asyncio.ensure_future(rut.generate([4], 2, priority=1))
+        (t1, _), (t2, _), (t4, _) = await asyncio.gather(running, queued, other)
+        assert len(t1) == 20 and len(t2) == 2 and len(t4) == 2
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_prefix_affinity_keeps_a_prefix_on_one_worker() -> None:
+    workers = await fakes("zone-a", "zone-a", "zone-a")
+    rut = await start_router([(w.address, "zone-a") for w in workers], affinity_prefix_tokens=3)
+    try:
+        homes = set()
+        for i in range(4):
+            # Same first 3 tokens (a shared system prompt), different tails.
+            _, final = await rut.generate([77, 78, 79, i], 1)
+            homes.add(final.served_by.worker_id)
+        assert len(homes) == 1
+        spread = set()
+        for i in range(30):
+            _, final = await rut.generate([i, 1000 + i, 5], 1)
+            spread.add(final.served_by.worker_id)
+        assert len(spread) == 3
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_dns_targets_add_and_remove_workers() -> None:
+    workers = await fakes("zone-b", "zone-b")
+    answers = {"addresses": [workers[0].address]}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        assert host == "workers.llmesh.svc" and port == 7000
+        return list(answers["addresses"])
+
+    from tests.router.helpers import settings
+
+    router = Router(
+        settings([], dns_targets=[{"name": "workers.llmesh.svc:7000", "zone": "zone-b"}],
+                 dns_interval_s=0.05),
+        connect=_grpc_connect, resolver=resolver,
+    )
+    try:
+        await router.start()
+        assert [w.address for w in router.registry] == [workers[0].address]
+        answers["addresses"] = [w.address for w in workers]
+        await wait_for(lambda: len(router.registry) == 2)
+        await wait_for(lambda: all(w.healthy for w in router.registry))
+        assert {w.zone for w in router.registry} == {"zone-b"}
+        answers["addresses"] = [workers[1].address]
+        await wait_for(lambda: [w.address for w in router.registry] == [workers[1].address])
+    finally:
+        await router.close()
+        for worker in workers:
+            await worker.stop()
+
+
+def _grpc_connect(address: str):  # type: ignore[no-untyped-def]
+    from services.router.workerclient import GrpcWorkerClient
+
+    return GrpcWorkerClient(address)
