@@ -87,25 +87,40 @@ def _shorter_ends(text: str, start: int, end: int) -> list[int]:
     return ends
 
 
+def _candidates(pattern: re.Pattern[str], text: str) -> list[tuple[int, int]]:
+    """The (greedy) match at *every* start the pattern accepts, overlapping ones included.
+
+    ``finditer`` alone resumes after each match, so "0000 4111 1111 1111 1111" would
+    consume the card's digits in a longer candidate that fails Luhn and never try the
+    card itself (and a streamed text, cut elsewhere, would find it: different output).
+    """
+    spans = []
+    for start in range(len(text)):
+        m = pattern.match(text, start)
+        if m is not None:
+            spans.append((m.start(), m.end()))
+    return spans
+
+
 def _find_cards(text: str) -> list[Match]:
     found = []
-    for m in _CARD.finditer(text):
-        for end in _shorter_ends(text, m.start(), m.end()):
-            digits = re.sub(r"[ -]", "", text[m.start():end])
+    for start, end in _candidates(_CARD, text):
+        for cut in _shorter_ends(text, start, end):
+            digits = re.sub(r"[ -]", "", text[start:cut])
             if 13 <= len(digits) <= 19 and luhn_valid(digits):
-                found.append(Match("card", m.start(), end))
+                found.append(Match("card", start, cut))
                 break
     return found
 
 
 def _find_ibans(text: str) -> list[Match]:
     found = []
-    for m in _IBAN.finditer(text):
-        for end in _shorter_ends(text, m.start(), m.end()):
-            if end < len(text) and text[end].isalnum():
+    for start, end in _candidates(_IBAN, text):
+        for cut in _shorter_ends(text, start, end):
+            if cut < len(text) and text[cut].isalnum():
                 continue
-            if iban_valid(text[m.start():end].replace(" ", "")):
-                found.append(Match("iban", m.start(), end))
+            if iban_valid(text[start:cut].replace(" ", "")):
+                found.append(Match("iban", start, cut))
                 break
     return found
 
@@ -113,15 +128,18 @@ def _find_ibans(text: str) -> list[Match]:
 def _find_regex(kind: str, pattern: re.Pattern[str], text: str, min_digits: int = 0,
                 max_digits: int = 1000) -> list[Match]:
     found = []
-    for m in pattern.finditer(text):
-        digits = sum(ch.isdigit() for ch in m.group())
+    for start, end in _candidates(pattern, text):
+        digits = sum(ch.isdigit() for ch in text[start:end])
         if min_digits <= digits <= max_digits:
-            found.append(Match(kind, m.start(), m.end()))
+            found.append(Match(kind, start, end))
     return found
 
 
-def find_sensitive(text: str) -> list[Match]:
-    """Validated, non-overlapping matches in ``text``, in order.
+def find_sensitive(text: str, min_start: int = 0) -> list[Match]:
+    """Validated, non-overlapping matches in ``text`` starting at ``min_start`` or later.
+
+    ``text[:min_start]`` is context only (already released): it decides boundaries but
+    a match starting there is not reported and does not shadow later ones.
 
     Overlaps are resolved by the earliest start, then by kind priority: the stricter
     checksum wins (an 18-digit resident ID may also pass Luhn by chance).
@@ -134,6 +152,7 @@ def find_sensitive(text: str) -> list[Match]:
         *_find_regex("phone", _PHONE_INTL, text, min_digits=8, max_digits=15),
         *_find_regex("email", _EMAIL, text),
     ]
+    candidates = [m for m in candidates if m.start >= min_start]
     candidates.sort(key=lambda m: (m.start, KINDS.index(m.kind), -m.end))
     result: list[Match] = []
     for m in candidates:
@@ -143,8 +162,10 @@ def find_sensitive(text: str) -> list[Match]:
     return result
 
 
-# Could the tail starting here still be, or grow into, a match? (Prefix checks.)
-_PREFIX_NUMBER = re.compile(r"(?:\+|\(|00)?[\d() .-]*[Xx]?")
+# Could the tail starting here still be, or grow into, a match? (Prefix checks.) Each
+# accepts at least every start the detection patterns above accept, so nothing that could
+# become a match is released early; holding a little more than needed is harmless.
+_PREFIX_NUMBER = re.compile(r"\+?[\d() .-]*[Xx]?")
 _PREFIX_IBAN = re.compile(r"[A-Z]{1,2}|[A-Z]{2}\d{1,2}|[A-Z]{2}\d{2}(?: ?[A-Z0-9]){0,32} ?")
 _PREFIX_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+(?:@[A-Za-z0-9.-]*)?")
 _EMAIL_LOCAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._%+-")
@@ -152,10 +173,13 @@ _EMAIL_LOCAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 
 def _could_start_match(tail: str, before: str) -> bool:
     first = tail[0]
-    if (first.isdigit() or first in "+(") and not (before.isalnum() or before == "+"):
-        digits = sum(ch.isdigit() for ch in tail)
-        if digits <= 19 and _PREFIX_NUMBER.fullmatch(tail):
-            return True
+    # Cards, resident IDs and CN mobiles start at a digit after a non-digit; international
+    # numbers at a "+" after a non-word character.
+    number_start = (first.isdigit() and not before.isdigit()) or (
+        first == "+" and not (before.isalnum() or before in ("_", "+"))
+    )
+    if number_start and sum(ch.isdigit() for ch in tail) <= 19 and _PREFIX_NUMBER.fullmatch(tail):
+        return True
     if "A" <= first <= "Z" and not before.isalnum() and _PREFIX_IBAN.fullmatch(tail):
         return True
     return first in _EMAIL_LOCAL and before not in _EMAIL_LOCAL and bool(_PREFIX_EMAIL.fullmatch(tail))
@@ -208,7 +232,7 @@ class SensitiveDataFilter:
             return ""
         ctx = self._before
         matches = [Match(m.kind, m.start - len(ctx), m.end - len(ctx))
-                   for m in find_sensitive(ctx + buf) if m.start >= len(ctx)]
+                   for m in find_sensitive(ctx + buf, min_start=len(ctx))]
         release = len(buf) if final else hold_start(buf, ctx)
         for m in matches:
             if m.start < release < m.end:
