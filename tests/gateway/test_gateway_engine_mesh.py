@@ -25,7 +25,8 @@ def _worker_address(mesh) -> str:
 
 async def _running(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        load = await worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        worker = worker_pb2_grpc.WorkerServiceStub(channel)
+        load = await worker.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
         return load.load.running + load.load.waiting
 
 

@@ -163,7 +163,9 @@ async def test_metrics_move_by_the_right_amounts(traced_mesh):
     n, max_tokens = 4, 6
     async with grpc.aio.insecure_channel(_address(traced_mesh)) as channel:
         for i in range(n):
-            reply = await stub(channel).Generate(request(prompt=f"count {i}", sampling={"max_tokens": max_tokens}))
+            reply = await stub(channel).Generate(
+                request(prompt=f"count {i}", sampling={"max_tokens": max_tokens})
+            )
             assert reply.usage.completion_tokens == max_tokens
     await asyncio.sleep(0.5)
     after = {tier: _scrape(p.metrics_port) for tier, p in procs.items()}
