@@ -1,6 +1,6 @@
 """Sensitive data in model output: detection with checksums, and a streaming filter. No grpc.
 
-Kinds: ``card`` (13-19 digits passing Luhn, spaces/dashes allowed), ``iban`` (mod-97),
+Kinds: ``card`` (13-19 digits starting 2-6, passing Luhn, spaces/dashes allowed), ``iban`` (mod-97),
 ``cn_id`` (18-character Chinese resident identity number with its ISO 7064 check
 character), ``phone`` (international ``+<digits>`` or a mainland China mobile number) and
 ``email``. Checksums keep ordinary numbers (amounts, years, order numbers) from being
@@ -107,7 +107,9 @@ def _find_cards(text: str) -> list[Match]:
     for start, end in _candidates(_CARD, text):
         for cut in _shorter_ends(text, start, end):
             digits = re.sub(r"[ -]", "", text[start:cut])
-            if 13 <= len(digits) <= 19 and luhn_valid(digits):
+            # Payment networks' numbers start with 2-6 (Mastercard, Amex, Visa, ...,
+            # UnionPay, Discover); other digit runs passing Luhn are left alone.
+            if 13 <= len(digits) <= 19 and digits[0] in "23456" and luhn_valid(digits):
                 found.append(Match("card", start, cut))
                 break
     return found

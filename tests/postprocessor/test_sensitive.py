@@ -56,7 +56,7 @@ def test_finds_each_kind(text, kind):
 @pytest.mark.parametrize("text", [
     "In 2024 revenue was 1234567 dollars, order 99812.",
     "card 4111 1111 1111 1112 fails Luhn",
-    "IBAN DE89 3704 0044 0532 0130 01 fails mod-97",
+    "IBAN DE89 3704 0044 0532 0130 02 fails mod-97",
     "id 110105194912310021 has a wrong check digit",
     "version 1.2.3, call me maybe, 12:30",
     "no at-sign: jane.doe example.com",
@@ -112,7 +112,7 @@ def test_off_passes_everything_through():
 _filler = st.text(alphabet=st.sampled_from(list("abc XYZ.,;:-+()@0123456789\n你好")), max_size=30)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     parts=st.lists(st.tuples(_filler, st.sampled_from([*SAMPLES.values(), PHONE_CN, ""])), max_size=4),
     cuts=st.lists(st.integers(1, 12), max_size=40),
