@@ -34,7 +34,7 @@ import hashlib
 import json
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -642,21 +642,21 @@ def strategic_merge(base: Any, patch: Any, field_name: str = "") -> Any:
                                          for i in (base or []) + patch) else "port"
         if key is None or not isinstance(base, list):
             return [strategic_merge(None, item) if isinstance(item, dict) else item for item in patch]
-        result = [copy.deepcopy(item) for item in base]
-        added: list[Any] = []  # new items go first, as kustomize's merge puts them
+        # kustomize (kyaml) orders the result: the patch's items in patch order (merged
+        # with their base item when one exists), then the remaining base items.
+        base_by_key = {item.get(key): item for item in base if isinstance(item, dict)}
+        patched: list[Any] = []
+        touched: set[Any] = set()
         for item in patch:
             if not isinstance(item, dict) or key not in item:
                 raise RenderError(f"list {field_name}: patch item without merge key {key!r}")
-            index = next((i for i, cur in enumerate(result)
-                          if isinstance(cur, dict) and cur.get(key) == item[key]), None)
+            touched.add(item[key])
             if item.get("$patch") == "delete":
-                if index is not None:
-                    result.pop(index)
-            elif index is None:
-                added.append(strategic_merge(None, item))
-            else:
-                result[index] = strategic_merge(result[index], item)
-        return added + result
+                continue
+            patched.append(strategic_merge(copy.deepcopy(base_by_key.get(item[key])), item))
+        rest = [copy.deepcopy(item) for item in base
+                if not (isinstance(item, dict) and item.get(key) in touched)]
+        return patched + rest
     return copy.deepcopy(patch)
 
 
@@ -857,7 +857,7 @@ def dump(objects: Iterable[dict[str, Any]]) -> str:
     return "---\n".join(yaml.safe_dump(obj, sort_keys=True, default_flow_style=False) for obj in objects)
 
 
-def main(argv: list[str] | None = None, out: Callable[[str], object] = sys.stdout.write) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.tools.render",
         description="Render a kustomization directory (the subset of kustomize llmesh uses).",
@@ -865,7 +865,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], object] = sys.stdou
     parser.add_argument("directory", help="directory holding kustomization.yaml")
     args = parser.parse_args(argv)
     try:
-        out(dump(build(args.directory)))
+        sys.stdout.write(dump(build(args.directory)))
     except RenderError as err:
         print(f"render: {err}", file=sys.stderr)
         return 1
