@@ -402,9 +402,17 @@ def check_config(
 
     if by_tier.get("gateway"):
         gw = by_tier["gateway"][0].settings
-        for diff in _settings_differ(gw, {"host": config.gateway.host, "port": config.gateway.port,
-                                          "default_filter_mode": config.gateway.default_filter_mode}):
+        wanted = {"host": config.gateway.host, "port": config.gateway.port,
+                  "http_port": config.gateway.http_port,
+                  "default_filter_mode": config.gateway.default_filter_mode}
+        for diff in _settings_differ(gw, wanted):
             report.problems.append(f"{where}: gateway {diff}")
+        if gw.http_port >= 0:
+            gw_inv = by_tier["gateway"][0]
+            ports = {p.get("name"): p.get("containerPort") for p in gw_inv.container.get("ports", [])}
+            if ports.get("http") != gw.http_port or gw.http_host not in ("0.0.0.0", "::"):
+                report.problems.append(f"{gw_inv.where}: HTTP listener {gw.http_host}:{gw.http_port} "
+                                       f"is not the container's http port {ports.get('http')}")
         if gw.default_model != served:
             report.problems.append(f"{where}: gateway --default-model={gw.default_model}, model is {served}")
 

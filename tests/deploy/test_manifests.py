@@ -340,11 +340,13 @@ def test_network_policies_allow_exactly_the_mesh_calls(overlay: str, rendered: d
     for dst, labels in pods.items():
         container = named(objects, "Deployment", dst)["spec"]["template"]["spec"]["containers"][0]
         grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
-        from_clients = ingress_allowed(
-            policies, namespace, client_pod, client_ns, "payments", labels, grpc_port
-        )
-        assert from_clients == (component[dst] == "gateway"), dst
-        assert not ingress_allowed(policies, namespace, client_pod, other_ns, "other", labels, grpc_port)
+        # Every serving port (gRPC, and the gateway's HTTP listener where enabled).
+        for port in [p["containerPort"] for p in container["ports"] if p["name"] != "metrics"]:
+            from_clients = ingress_allowed(
+                policies, namespace, client_pod, client_ns, "payments", labels, port
+            )
+            assert from_clients == (component[dst] == "gateway"), f"clients -> {dst}:{port}"
+            assert not ingress_allowed(policies, namespace, client_pod, other_ns, "other", labels, port)
         assert ingress_allowed(
             policies, namespace, {"app": "prometheus"}, monitoring, "monitoring", labels, 9090
         )
