@@ -254,6 +254,17 @@ def check_invocation(inv: Invocation, report: Report) -> None:
         report.problems.append(f"{inv.where}: invalid settings for {inv.tier}: {err}")
         return
     settings = inv.settings
+    if inv.tier == "worker":
+        # Choices the worker checks only at start-up (services.worker.server.check_settings).
+        with contextlib.suppress(ModuleNotFoundError):
+            server = importlib.import_module("services.worker.server")
+            for name, choices in (("device", "DEVICES"), ("engine", "ENGINES")):
+                allowed = getattr(server, choices, None)
+                if allowed is not None and getattr(settings, name) not in allowed:
+                    report.problems.append(f"{inv.where}: --{name}={getattr(settings, name)} is not one of "
+                                           f"{', '.join(allowed)}")
+            if settings.engine != "vllm":
+                report.problems.append(f"{inv.where}: --engine={settings.engine} is a test engine")
     ports = {p.get("name"): p.get("containerPort") for p in inv.container.get("ports", []) or []}
     if settings.host not in ("0.0.0.0", "::", "[::]"):
         report.problems.append(f"{inv.where}: --host={settings.host} is not reachable from other pods")

@@ -164,3 +164,13 @@ def test_dockerfile_drift_is_caught(tmp_path: Path) -> None:
     assert any("`llmesh wrker` is not a command" in p for p in found)
     assert any("ENV LLMESH_WORKER_ZONEZ" in p for p in found)
     assert not any("LLMESH_ROUTER_ZONES" in p for p in found)  # a real field (legacy ENV form)
+
+
+def test_worker_device_and_engine_choices_are_checked(prod: list[dict[str, Any]]) -> None:
+    objects = copy.deepcopy(prod)
+    args = container(objects, "llmesh-worker-zone-b")["args"]
+    args[args.index("--device=npu")] = "--device=ascend"
+    container(objects, "llmesh-worker-kunpeng")["args"].append("--engine=fake")
+    found = problems(objects)
+    assert any("--device=ascend is not one of auto, cpu, cuda, npu" in p for p in found)
+    assert any("--engine=fake is a test engine" in p for p in found)
