@@ -85,6 +85,12 @@ class TierProcess:
         raise TimeoutError(f"{self.name} not SERVING at {self.address} after {timeout:.0f}s"
                            + _tail(self.log_path))
 
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, wait, then SIGKILL."""
         if self.alive():

@@ -31,6 +31,8 @@ SERVICES = {
     "worker": "llmesh.worker.v1.WorkerService",
 }
 STATE_FILE = "mesh.json"
+DEFAULT_CPU_KVCACHE_GB = 2
+"""KV cache per CPU worker (GiB) unless the config sets cpu_kvcache_space_gb."""
 
 
 def _flags(settings: dict[str, Any]) -> list[str]:
@@ -160,11 +162,16 @@ class Mesh:
         for i, w in enumerate(cfg.workers):
             model_dir = resolve_model(w.model) if w.model else self.model_dir
             env = {}
+            settings = dict(w.settings)
+            if w.device == "cpu" and w.engine == "vllm":
+                # vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of
+                # the host's memory per engine and refuses to start beside anything else.
+                settings.setdefault("cpu_kvcache_space_gb", DEFAULT_CPU_KVCACHE_GB)
             if w.cpu_omp_threads_bind:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = w.cpu_omp_threads_bind
             args = ["--model", str(model_dir), "--served-model-name", self.model_name,
                     "--zone", w.zone, "--device", w.device, "--engine", w.engine,
-                    "--worker-id", f"worker-{i}-{w.zone}", *_flags(w.settings)]
+                    "--worker-id", f"worker-{i}-{w.zone}", *_flags(settings)]
             workers.append(self._spawn(f"worker-{i}", "worker", args, port=free_port(self.host),
                                        zone=w.zone, env=env))
         self._wait(tokenizers + posts, timeout=120)
@@ -223,8 +230,15 @@ class Mesh:
         }
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop(timeout=20)
+        """Stop front to back: the gateway first (no new requests), then the routers, then
+        everything behind them together. Each group gets SIGTERM at once, then is awaited."""
+        groups = (("gateway",), ("router",), ("worker", "postprocessor", "tokenizer"))
+        for tiers in groups:
+            members = [p for p in reversed(self.procs) if p.tier in tiers]
+            for proc in members:
+                proc.terminate()
+            for proc in members:
+                proc.stop(timeout=20)
 
 
 def main(argv: list[str] | None = None) -> int:

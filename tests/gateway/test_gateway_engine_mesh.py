@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 
@@ -30,6 +31,12 @@ async def _running(address: str) -> int:
         return load.load.running + load.load.waiting
 
 
+def _camel(value):
+    if isinstance(value, dict):
+        return {re.sub(r"_([a-z])", lambda m: m.group(1).upper(), k): _camel(v) for k, v in value.items()}
+    return value
+
+
 def test_grpcurl_streams_paris_with_no_proto_files(engine_mesh):
     """The README's grpcurl line, verbatim: reflection, streaming, final message fields."""
     grpcurl = shutil.which("grpcurl")
@@ -40,7 +47,10 @@ def test_grpcurl_streams_paris_with_no_proto_files(engine_mesh):
         [grpcurl, "-plaintext", "-d", body, address, "llmesh.v1.InferenceService/GenerateStream"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
-    messages = [json.loads(chunk) for chunk in out.replace("}\n{", "}\x00{").split("\x00") if chunk.strip()]
+    # grpcurl prints proto field names; normalise to the JSON (camelCase) names so the
+    # test holds whichever form a grpcurl version uses.
+    messages = [_camel(json.loads(chunk)) for chunk in out.replace("}\n{", "}\x00{").split("\x00")
+                if chunk.strip()]
     text = "".join(m["delta"].get("text", "") for m in messages if "delta" in m)
     final = messages[-1]["final"]
     assert "Paris" in text
