@@ -331,16 +331,29 @@ def check_wiring(objects: list[dict[str, Any]], where: str, report: Report) -> N
                 if not any(target in (p.get("name"), p.get("containerPort")) for p in container_ports):
                     report.problems.append(f"{name}: targetPort {target!r} not exposed by "
                                            f"{w['kind']}/{w['metadata']['name']}")
-    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objects}
     for hpa in (o for o in objects if o["kind"] == "HorizontalPodAutoscaler"):
         ref = hpa["spec"]["scaleTargetRef"]
-        if (ref["kind"], ref["name"]) not in names:
+        target = by_name.get((ref["kind"], ref["name"]))
+        if target is None:
             report.problems.append(f"{where}: HPA/{hpa['metadata']['name']} scales missing "
                                    f"{ref['kind']}/{ref['name']}")
+        elif "replicas" in target["spec"]:
+            report.problems.append(f"{where}: {ref['kind']}/{ref['name']} sets spec.replicas although "
+                                   f"HPA/{hpa['metadata']['name']} owns its scale")
     for pdb in (o for o in objects if o["kind"] == "PodDisruptionBudget"):
         selector = pdb["spec"]["selector"].get("matchLabels") or {}
         if not any(_selects(selector, _template_labels(w)) for w in workloads):
             report.problems.append(f"{where}: PDB/{pdb['metadata']['name']} selects no workload")
+
+
+def _scale_floor(objects: list[dict[str, Any]], workload: dict[str, Any]) -> int:
+    """The replicas a workload keeps at least: its HPA's minReplicas, else spec.replicas."""
+    for hpa in (o for o in objects if o["kind"] == "HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        if (ref["kind"], ref["name"]) == (workload["kind"], workload["metadata"]["name"]):
+            return int(hpa["spec"].get("minReplicas", 1))
+    return int(workload["spec"].get("replicas", 1))
 
 
 def _mesh_config(objects: list[dict[str, Any]], where: str, report: Report) -> Any | None:
@@ -388,9 +401,11 @@ def check_config(
             continue
         inv = by_tier[tier][0]
         tier_config = getattr(config, tier)
-        replicas = inv.workload["spec"].get("replicas", 1)
-        if tier != "gateway" and replicas != tier_config.replicas:
-            report.problems.append(f"{inv.where}: replicas {replicas}, config says {tier_config.replicas}")
+        floor = _scale_floor(objects, inv.workload)
+        if tier != "gateway" and floor != tier_config.replicas:
+            report.problems.append(
+                f"{inv.where}: minimum replicas {floor}, config says {tier_config.replicas}"
+            )
         for diff in _settings_differ(inv.settings, dict(tier_config.settings)):
             report.problems.append(f"{inv.where}: {diff}")
         if bool(inv.settings.tls_cert) != config.tls.enabled:

@@ -110,11 +110,13 @@ def test_config_drift_is_caught(prod: list[dict[str, Any]]) -> None:
     router[index] = "--zones=zone-b,zone-a,kunpeng"
     worker = container(objects, "llmesh-worker-zone-b")["args"]
     worker[worker.index("--tensor-parallel-size=4")] = "--tensor-parallel-size=8"
-    named(objects, "Deployment", "llmesh-tokenizer")["spec"]["replicas"] = 5
+    named(objects, "HorizontalPodAutoscaler", "llmesh-tokenizer")["spec"]["minReplicas"] = 5
+    named(objects, "Deployment", "llmesh-router")["spec"]["replicas"] = 3
     found = problems(objects)
     assert any("router --zones=['zone-b', 'zone-a', 'kunpeng'], config ladder" in p for p in found)
     assert any("tensor_parallel_size=8 (config says 4)" in p for p in found)
-    assert any("llmesh-tokenizer container tokenizer: replicas 5, config says 3" in p for p in found)
+    assert any("llmesh-tokenizer container tokenizer: minimum replicas 5, config says 3" in p for p in found)
+    assert any("Deployment/llmesh-router sets spec.replicas although HPA" in p for p in found)
 
 
 def test_dns_target_must_be_a_headless_service_of_that_zone(prod: list[dict[str, Any]]) -> None:
