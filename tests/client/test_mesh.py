@@ -150,3 +150,22 @@ def test_cli_generate_and_chat(mesh: MeshEndpoint) -> None:
     # The second turn carries the first exchange: its prompt is longer.
     prompt_tokens = [int(s.split("tokens=")[1].split("+")[0]) for s in summaries]
     assert prompt_tokens[1] > prompt_tokens[0]
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate(mesh: MeshEndpoint) -> None:
+    """The secure mesh refuses plaintext and certificate-less TLS, at the gateway and at
+    every internal hop."""
+    import grpc
+
+    from llmesh.procs import check_health
+
+    with pytest.raises(UnavailableError), mesh.client(cert=None, key=None, max_attempts=1) as client:
+        client.generate("hello", max_tokens=2)
+    assert check_health(mesh.address) == "UNREACHABLE"  # plaintext
+    no_cert = grpc.ssl_channel_credentials(root_certificates=mesh.ca.read_bytes())
+    assert check_health(mesh.address, credentials=no_cert) == "UNREACHABLE"
+    with_cert = grpc.ssl_channel_credentials(
+        root_certificates=mesh.ca.read_bytes(), private_key=mesh.key.read_bytes(),
+        certificate_chain=mesh.cert.read_bytes(),
+    )
+    assert check_health(mesh.address, credentials=with_cert) == "SERVING"
