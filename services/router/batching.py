@@ -63,7 +63,7 @@ class AdaptiveWindow:
 _END = object()
 
 
-@dataclass
+@dataclass(eq=False)
 class AttemptStream:
     """The events of one request sent to one worker (one attempt)."""
 
@@ -130,6 +130,29 @@ class BatchDispatcher:
         self._pending: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._live: set[AttemptStream] = set()
+        """Streams submitted and not yet finished or cancelled."""
+
+    @property
+    def live(self) -> int:
+        return sum(1 for s in self._live if not s.done and not s.cancelled)
+
+    def fail_all(self, error: WorkerCallError) -> int:
+        """Fail every unfinished request on this worker (it stopped answering).
+
+        A stopped or partitioned peer can leave a stream open without data for long; the
+        health monitor notices first (missed load polls), and the requests resume elsewhere.
+        Returns how many requests were failed.
+        """
+        failed = 0
+        for stream in list(self._live):
+            if not stream.done and not stream.cancelled:
+                stream.push(error)
+                failed += 1
+        self._live.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        return failed
 
     @property
     def queued(self) -> int:
@@ -138,6 +161,8 @@ class BatchDispatcher:
     def submit(self, request: common_pb2.TokenRequest, deadline: float | None) -> AttemptStream:
         """Queue ``request`` (``deadline`` is a ``time.monotonic()`` instant or None)."""
         stream = AttemptStream(request.request_id, self)
+        self._live = {s for s in self._live if not s.done and not s.cancelled}
+        self._live.add(stream)
         self.window.observe(self._pressure())
         plan = self.window.plan()
         self._pending.append((stream, request, deadline))

@@ -242,6 +242,18 @@ class Router:
 
     def _on_worker_change(self, state: WorkerState) -> None:
         labels = (state.worker_id, state.zone)
+        dispatcher = self._dispatchers.get(state.address)
+        if (
+            dispatcher is not None
+            and not state.reachable
+            and state.load_failures >= self.settings.unreachable_failover_polls
+            and dispatcher.live
+        ):
+            failed = dispatcher.fail_all(
+                WorkerCallError("transport", "UNAVAILABLE", "worker stopped answering load polls")
+            )
+            log.warning("worker %s at %s stopped answering: moving %d requests elsewhere",
+                        state.worker_id, state.address, failed)
         metrics.WORKER_HEALTHY.labels(*labels).set(1 if state.healthy else 0)
         metrics.WORKER_CIRCUIT.labels(*labels).set(CIRCUIT_CODES[state.circuit])
         metrics.WORKER_IN_FLIGHT.labels(*labels).set(state.in_flight)

@@ -88,7 +88,7 @@ class WorkerMonitor:
                 if state.reachable and state.load_failures >= self.failures_to_eject:
                     log.warning("worker %s at %s unreachable: %s", state.worker_id, state.address, exc)
                     state.reachable = False
-                    changed = True
+                changed = True  # every miss counts: requests move after a few of them
             else:
                 was_reachable = state.reachable
                 state.load = load

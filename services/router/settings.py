@@ -81,6 +81,8 @@ class RouterSettings(ServerSettings):
     """Deadline of one GetLoad poll; a worker that misses it is marked unreachable."""
     load_failures_to_eject: int = 1
     """Consecutive failed load polls after which a worker stops receiving traffic."""
+    unreachable_failover_polls: int = 2
+    """Consecutive missed load polls after which requests running on a worker resume elsewhere."""
     breaker_failures: int = 1
     """Consecutive transport failures of requests that open a worker's circuit."""
     breaker_base_backoff_s: float = 0.5
