@@ -63,6 +63,8 @@ def exported() -> dict[str, set[str]]:
             }.get(family.type, [""])
             for suffix in suffixes:
                 found[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    # Prometheus's own per-target series, labelled by the scrape config.
+    found["up"] = set()
     return found
 
 
@@ -105,6 +107,20 @@ def grouping_labels(expr: str) -> list[str]:
     labels: list[str] = []
     for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", text):
         labels += [label.strip() for label in group.split(",") if label.strip()]
+    return labels
+
+
+AGGREGATIONS = r"\b(?:sum|min|max|avg|count|group|stddev|stdvar|topk|bottomk|quantile|count_values)\b"
+
+
+def result_labels(expr: str) -> set[str]:
+    """Labels the expression's result keeps: its `by (...)` labels once it aggregates,
+    otherwise every label of its metrics."""
+    if re.search(AGGREGATIONS + r"\s*(?:by\s*\([^)]*\)\s*)?\(", expr):
+        return set(grouping_labels(expr))
+    labels = set(scrape_labels())
+    for name, _ in selectors(expr):
+        labels |= exported().get(name, set())
     return labels
 
 
@@ -153,6 +169,8 @@ def test_selector_extraction() -> None:
     )
     assert selectors(expr) == [("llmesh_a_total", ["tier", "code"]), ("llmesh_b", [])]
     assert grouping_labels(expr) == ["zone", "code"]
+    assert result_labels(expr) == {"zone", "code"}
+    assert "tier" in result_labels('rate(llmesh_rpc_requests_total{tier="x"}[5m]) > 0')
 
 
 # ---------------------------------------------------------------------------- dashboard
@@ -201,7 +219,7 @@ def test_dashboard_queries_exported_metrics(dashboard: dict[str, Any]) -> None:
             check_expression(target["expr"], f"panel {panel['title']!r}")
             assert 'namespace=~"$namespace"' in target["expr"], panel["title"]
             for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
-                assert label in grouping_labels(target["expr"]), f"{panel['title']}: legend {{{{{label}}}}}"
+                assert label in result_labels(target["expr"]), f"{panel['title']}: legend {{{{{label}}}}}"
     for variable in dashboard["templating"]["list"]:
         for metric in re.findall(r"label_values\((\w+)", json.dumps(variable.get("query", ""))):
             assert metric in exported()
@@ -228,7 +246,7 @@ def test_alert_rules_are_well_formed(rules: list[dict[str, Any]]) -> None:
         check_expression(rule["expr"], rule["alert"])
         used = re.findall(r"\$labels\.(\w+)", json.dumps(rule["annotations"]))
         for label in used:
-            assert label in grouping_labels(rule["expr"]), (
+            assert label in result_labels(rule["expr"]), (
                 f"{rule['alert']}: $labels.{label} is aggregated away"
             )
 
