@@ -49,6 +49,9 @@ DOCKERFILES = DEPLOY / "docker"
 # Environment variables that llmesh reads outside the tiers' settings classes.
 GLOBAL_ENV = {"LLMESH_HOME"}
 
+# Objects the manifests use but deliberately do not contain (made outside git).
+EXTERNAL = {("Secret", "llmesh-tls")}
+
 
 @dataclass(frozen=True)
 class TierSpec:
@@ -341,6 +344,11 @@ def check_wiring(objects: list[dict[str, Any]], where: str, report: Report) -> N
         elif "replicas" in target["spec"]:
             report.problems.append(f"{where}: {ref['kind']}/{ref['name']} sets spec.replicas although "
                                    f"HPA/{hpa['metadata']['name']} owns its scale")
+    for obj in objects:
+        for kind, holder, key in render._reference_slots(obj):
+            if (kind, holder.get(key)) not in by_name and (kind, holder.get(key)) not in EXTERNAL:
+                report.problems.append(f"{where}: {obj['kind']}/{obj['metadata']['name']} refers to "
+                                       f"{kind}/{holder.get(key)}, which is not in the manifests")
     for pdb in (o for o in objects if o["kind"] == "PodDisruptionBudget"):
         selector = pdb["spec"]["selector"].get("matchLabels") or {}
         if not any(_selects(selector, _template_labels(w)) for w in workloads):

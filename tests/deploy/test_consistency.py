@@ -135,7 +135,11 @@ def test_wiring_between_objects_is_checked(prod: list[dict[str, Any]]) -> None:
     objects = copy.deepcopy(prod)
     named(objects, "HorizontalPodAutoscaler", "llmesh-gateway")["spec"]["scaleTargetRef"]["name"] = "gw"
     named(objects, "Service", "llmesh-router")["spec"]["ports"][0]["targetPort"] = "grcp"
+    named(objects, "Deployment", "llmesh-tokenizer")["spec"]["template"]["spec"]["volumes"][0][
+        "persistentVolumeClaim"
+    ]["claimName"] = "models"
     found = problems(objects)
+    assert any("refers to PersistentVolumeClaim/models, which is not in the manifests" in p for p in found)
     assert any("scales missing Deployment/gw" in p for p in found)
     assert any("targetPort 'grcp' not exposed" in p for p in found)
 
