@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -38,21 +39,39 @@ _OPENAI_FINISH = {"stop": "stop", "length": "length", "content_filter": "content
 CORE_KEY = web.AppKey("core", GatewayCore)
 
 
-def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+def openai_param(field: str, body: dict[str, Any] | None = None) -> str:
+    """The request field as an OpenAI client spelled it: the core names sampling fields
+    ``sampling.<name>`` (the gRPC message layout); JSON bodies have them at the top level."""
+    name = field.removeprefix("sampling.")
+    if body is not None:
+        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
+            return "max_completion_tokens"
+        if name == "logprobs" and isinstance(body.get("logprobs"), bool):
+            return "top_logprobs"
+    return name
+
+
+def error_body(exc: BaseException, request_body: dict[str, Any] | None = None,
+               ) -> tuple[int, dict[str, Any], dict[str, str]]:
     mapped = map_exception(exc)
     status, kind = _HTTP_STATUS.get(mapped.code.name, (500, "server_error"))
-    param = exc.field if isinstance(exc, InvalidArgument) else None
+    message = mapped.message
+    param = None
+    if isinstance(exc, InvalidArgument):
+        param = openai_param(exc.field, request_body)
+        message = "; ".join(f"{openai_param(v.field, request_body)}: {v.description.replace('sampling.', '')}"
+                            for v in exc.violations)
     code = "model_not_found" if mapped.code.name == "NOT_FOUND" else mapped.code.name.lower()
     headers = {}
     retry = getattr(exc, "retry_after_s", None)
     if retry is not None:
-        headers["Retry-After"] = str(max(1, round(retry)))
-    body = {"error": {"message": mapped.message, "type": kind, "param": param, "code": code}}
+        headers["Retry-After"] = str(max(1, math.ceil(retry)))
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return status, body, headers
 
 
-def _json_error(exc: BaseException) -> web.Response:
-    status, body, headers = error_body(exc)
+def _json_error(exc: BaseException, request_body: dict[str, Any] | None = None) -> web.Response:
+    status, body, headers = error_body(exc, request_body)
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -76,7 +95,9 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
     n = _field(body, "n", int, 1)
     if n != 1:
         raise InvalidArgument("n", "only n=1 is supported")
-    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
+    max_tokens = _field(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", int)
     logprobs: int | None = None
     raw_logprobs = body.get("logprobs")
     if isinstance(raw_logprobs, bool):
@@ -173,6 +194,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     core = request.app[CORE_KEY]
+    body: dict[str, Any] | None = None
     try:
         tenant = core.tenants.authenticate(request.headers.get("Authorization"))
         body = await _body(request)
@@ -181,7 +203,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
     except LlmeshError as exc:
-        return _json_error(exc)
+        return _json_error(exc, body)
     created = int(time.time())
     rid = uuid.uuid4().hex
     call.request_id = rid
@@ -191,7 +213,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             c = await core.generate(tenant, call, Deadline())
         except LlmeshError as exc:
-            return _json_error(exc)
+            return _json_error(exc, body)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _OPENAI_FINISH.get(c.finish_reason, "stop"),
                                   "logprobs": None}
         if chat:
@@ -200,12 +222,18 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             choice["text"] = c.text
         return web.json_response({"id": oid, "object": object_name, "created": created, "model": c.model,
                                   "choices": [choice], "usage": _usage(c), "llmesh": _llmesh_extra(c)})
+    try:
+        # Every chunk names the served model, also when the request left it empty (the
+        # core caches the model list, so this costs no extra tier call).
+        model = (await core.resolve_model(call.model)).id
+    except LlmeshError as exc:
+        return _json_error(exc, body)
     items = core.generate_stream(tenant, call, Deadline())
     # Fail before the 200 when validation, auth or the first tier call fails.
     try:
         first = await items.__anext__()
     except LlmeshError as exc:
-        return _json_error(exc)
+        return _json_error(exc, body)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     chunk_name = "chat.completion.chunk" if chat else "text_completion"
@@ -213,7 +241,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     async def send(payload: dict[str, Any]) -> None:
         await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
-    def chunk(delta: dict[str, Any] | str, finish: str | None, model: str) -> dict[str, Any]:
+    def chunk(delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if chat:
             choice["delta"] = delta
@@ -226,22 +254,28 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         async for item in items:
             yield item
 
-    model = call.model
     try:
         if chat:
-            await send(chunk({"role": "assistant", "content": ""}, None, model))
+            await send(chunk({"role": "assistant", "content": ""}, None))
         async for item in all_items():
             if isinstance(item, TextDelta):
-                await send(chunk({"content": item.text} if chat else item.text, None, model))
+                await send(chunk({"content": item.text} if chat else item.text, None))
             else:
                 model = item.model
                 finish = _OPENAI_FINISH.get(item.finish_reason, "stop")
-                await send(chunk({} if chat else "", finish, model))
+                await send(chunk({} if chat else "", finish))
                 if include_usage:
                     await send({"id": oid, "object": chunk_name, "created": created, "model": model,
                                 "choices": [], "usage": _usage(item)})
-    except LlmeshError as exc:
-        _, body_err, _ = error_body(exc)
+    except ConnectionResetError:
+        # The client went away; closing the stream below aborts the generation downstream.
+        log.info("HTTP client closed stream %s", rid)
+        return response
+    except Exception as exc:
+        # The 200 is already sent: the error travels as an SSE event, as OpenAI's does.
+        if not isinstance(exc, LlmeshError):
+            log.exception("HTTP stream %s failed", rid)
+        _, body_err, _ = error_body(exc, body)
         await send(body_err)
     finally:
         await items.aclose()  # type: ignore[attr-defined]
@@ -272,8 +306,31 @@ async def models(request: web.Request) -> web.Response:
     ]})
 
 
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method, body too large) and unexpected
+    exceptions in OpenAI's error shape, so every client sees one format."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items()
+                   if k.lower() not in ("content-type", "content-length")}
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        error = {"message": f"{request.method} {request.path}: {exc.reason}", "type": kind,
+                 "param": None, "code": None}
+        return web.json_response({"error": error}, status=exc.status, headers=headers)
+    except Exception as exc:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        status, body, headers = error_body(exc)
+        return web.json_response(body, status=status, headers=headers)
+
+
 def build_app(core: GatewayCore) -> web.Application:
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors])
     app[CORE_KEY] = core
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -282,7 +339,9 @@ def build_app(core: GatewayCore) -> web.Application:
 
 
 async def start_http(core: GatewayCore, settings: GatewaySettings) -> web.AppRunner:
-    runner = web.AppRunner(build_app(core), access_log=None)
+    # handler_cancellation: a client that hangs up on a non-streamed request cancels the
+    # handler, and with it the generation downstream, instead of running it to the end.
+    runner = web.AppRunner(build_app(core), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
     await site.start()

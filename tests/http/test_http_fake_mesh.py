@@ -1,0 +1,293 @@
+"""The OpenAI-compatible HTTP surface, driven by the official ``openai`` client, through a
+real mesh whose worker runs the deterministic fake engine."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
+
+from llmesh.up import Mesh
+from llmesh.v1 import inference_pb2, inference_pb2_grpc
+from tests.http.conftest import DEMO_KEY, LIMITED_KEY, LIMITED_RPM, client, http_base
+
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
+
+
+def _audit(mesh: Mesh) -> list[dict[str, Any]]:
+    path = Path(mesh.config.gateway.audit_log)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _error_shape(err: openai.APIStatusError) -> dict[str, Any]:
+    body = err.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return dict(body["error"])
+
+
+# -- answers -----------------------------------------------------------------------------
+
+
+def test_chat_non_streaming(http_fake_mesh: Mesh) -> None:
+    reply = client(http_fake_mesh).chat.completions.create(
+        model=http_fake_mesh.model_name, messages=HELLO, max_tokens=8, temperature=0,
+    )
+    assert reply.id.startswith("chatcmpl-")
+    assert reply.object == "chat.completion"
+    assert reply.model == http_fake_mesh.model_name
+    assert len(reply.choices) == 1
+    choice = reply.choices[0]
+    assert choice.index == 0
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 8
+    assert reply.usage.prompt_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 8
+
+
+def test_chat_stream_equals_non_streamed_under_greedy(http_fake_mesh: Mesh) -> None:
+    api = client(http_fake_mesh)
+    kwargs: dict[str, Any] = {"model": "", "messages": HELLO, "max_tokens": 24, "temperature": 0}
+    unary = api.chat.completions.create(**kwargs)
+    chunks = list(api.chat.completions.create(stream=True, **kwargs))
+    # Model left empty: every chunk still names the model that served it.
+    assert {c.model for c in chunks} == {http_fake_mesh.model_name}
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert chunks[0].id.startswith("chatcmpl-")
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == unary.choices[0].message.content
+    assert sum(1 for c in chunks if c.choices[0].delta.content) >= 2, "streamed as more than one delta"
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert all(c.usage is None for c in chunks), "no usage chunk unless include_usage"
+
+
+def test_completions_streamed_and_not(http_fake_mesh: Mesh) -> None:
+    api = client(http_fake_mesh)
+    unary = api.completions.create(model=http_fake_mesh.model_name, prompt="Once upon a time",
+                                   max_tokens=12, temperature=0)
+    assert unary.id.startswith("cmpl-")
+    assert unary.object == "text_completion"
+    assert unary.choices[0].finish_reason == "length"
+    assert unary.usage is not None and unary.usage.completion_tokens == 12
+    chunks = list(api.completions.create(model=http_fake_mesh.model_name, prompt="Once upon a time",
+                                         max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == unary.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert {c.object for c in chunks} == {"text_completion"}
+
+
+def test_completions_default_to_16_tokens_like_openai(http_fake_mesh: Mesh) -> None:
+    reply = client(http_fake_mesh).completions.create(model=http_fake_mesh.model_name, prompt="Hi")
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_stop_string_ends_the_answer_before_it(http_fake_mesh: Mesh) -> None:
+    api = client(http_fake_mesh)
+    full = api.completions.create(model="", prompt="Tell me", max_tokens=24, temperature=0).choices[0].text
+    # The fake engine is deterministic: stop on a piece from the middle of its answer.
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), f"answer too short to pick a stop string: {full!r}"
+    cut = full[: full.index(stop)]
+    reply = api.completions.create(model="", prompt="Tell me", max_tokens=24, temperature=0, stop=[stop])
+    assert reply.choices[0].text == cut
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = list(api.completions.create(model="", prompt="Tell me", max_tokens=24, temperature=0,
+                                           stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_include_usage_yields_a_usage_chunk(http_fake_mesh: Mesh, endpoint: str) -> None:
+    api = client(http_fake_mesh)
+    options: ChatCompletionStreamOptionsParam = {"include_usage": True}
+    if endpoint == "chat":
+        chunks: list[Any] = list(api.chat.completions.create(
+            model="", messages=HELLO, max_tokens=6, stream=True, stream_options=options))
+    else:
+        chunks = list(api.completions.create(model="", prompt="Hello", max_tokens=6, stream=True,
+                                             stream_options=options))
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == 6
+    assert usage_chunk.usage.prompt_tokens > 0
+    assert usage_chunk.usage.total_tokens == usage_chunk.usage.prompt_tokens + 6
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_models_list(http_fake_mesh: Mesh) -> None:
+    models = list(client(http_fake_mesh).models.list())
+    assert [m.id for m in models] == [http_fake_mesh.model_name]
+    assert models[0].object == "model"
+    assert models[0].owned_by == "llmesh"
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_model_is_404(http_fake_mesh: Mesh, stream: bool) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client(http_fake_mesh).chat.completions.create(model="no-such-model", messages=HELLO,
+                                                       stream=stream)
+    assert info.value.status_code == 404
+    error = _error_shape(info.value)
+    assert error["code"] == "model_not_found"
+    assert "no-such-model" in error["message"]
+
+
+BAD_PARAMETERS = [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 5}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 100_000}, "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"stop": [""]}, "stop[0]"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": []}, "messages"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("extra", "param"), BAD_PARAMETERS)
+def test_bad_parameter_is_400_naming_the_field(http_fake_mesh: Mesh, extra: dict[str, Any], param: str,
+                                               stream: bool) -> None:
+    body: dict[str, Any] = {"messages": HELLO, "model": http_fake_mesh.model_name, **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        client(http_fake_mesh).chat.completions.create(stream=stream, **body)
+    assert info.value.status_code == 400
+    error = _error_shape(info.value)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert info.value.param == param
+    assert param in error["message"]
+    assert "sampling." not in error["message"]
+
+
+def test_bad_completion_parameters(http_fake_mesh: Mesh) -> None:
+    api = client(http_fake_mesh)
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model="", prompt=["one", "two"])
+    assert _error_shape(info.value)["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model="", prompt="x", echo=True)
+    assert _error_shape(info.value)["param"] == "echo"
+
+
+def test_malformed_json_and_unknown_paths_keep_openai_shape(http_fake_mesh: Mesh) -> None:
+    headers = {"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"}
+    base = http_base(http_fake_mesh)
+    r = httpx.post(f"{base}/chat/completions", content=b"{not json", headers=headers, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "body"
+    r = httpx.post(f"{base}/chat/completions", content=b"[1, 2]", headers=headers, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "body"
+    r = httpx.post(f"{base}/embeddings", json={"input": "x"}, headers=headers, timeout=30)
+    assert r.status_code == 404
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(f"{base}/chat/completions", headers=headers, timeout=30)
+    assert r.status_code == 405
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    # The gateway is still serving after all of that.
+    assert client(http_fake_mesh).completions.create(model="", prompt="x", max_tokens=2).choices
+
+
+def test_missing_or_unknown_key_is_401(http_fake_mesh: Mesh) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        client(http_fake_mesh, key="not-a-key").chat.completions.create(model="", messages=HELLO)
+    assert info.value.status_code == 401
+    assert _error_shape(info.value)["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        client(http_fake_mesh, key="not-a-key").models.list()
+    # No Authorization header at all (the official client always sends one).
+    r = httpx.post(f"{http_base(http_fake_mesh)}/chat/completions", json={"messages": HELLO}, timeout=30)
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{http_base(http_fake_mesh)}/completions", json={"prompt": "x"}, timeout=30,
+                   headers={"Authorization": "Basic Zm9vOmJhcg=="})
+    assert r.status_code == 401
+
+
+async def test_over_the_rate_limit_is_429_with_retry_after_and_shared_with_grpc(http_fake_mesh: Mesh) -> None:
+    """The limited tenant's quota counts HTTP and gRPC calls together (one core)."""
+    api = openai.AsyncOpenAI(base_url=http_base(http_fake_mesh), api_key=LIMITED_KEY, max_retries=0)
+    demo = openai.AsyncOpenAI(base_url=http_base(http_fake_mesh), api_key=DEMO_KEY, max_retries=0)
+    address = f"{http_fake_mesh.config.gateway.host}:{http_fake_mesh.config.gateway.port}"
+    metadata = (("authorization", f"Bearer {LIMITED_KEY}"),)
+    async with api, demo, grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        for _ in range(LIMITED_RPM - 1):
+            await api.completions.create(model="", prompt="x", max_tokens=1)
+        await stub.Generate(inference_pb2.GenerateRequest(
+            prompt="x", sampling=inference_pb2.SamplingParams(max_tokens=1)), metadata=metadata)
+        for stream in (False, True):
+            with pytest.raises(openai.RateLimitError) as info:
+                await api.completions.create(model="", prompt="x", max_tokens=1, stream=stream)
+            assert info.value.status_code == 429
+            assert _error_shape(info.value)["type"] == "rate_limit_error"
+            retry_after = int(info.value.response.headers["Retry-After"])
+            assert 1 <= retry_after <= 60
+        with pytest.raises(grpc.aio.AioRpcError) as rpc:
+            await stub.Generate(inference_pb2.GenerateRequest(prompt="x"), metadata=metadata)
+        assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Other tenants are not affected.
+        assert (await demo.completions.create(model="", prompt="x", max_tokens=1)).choices
+
+
+# -- hanging up --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_hanging_up_cancels_the_generation(http_fake_mesh: Mesh, stream: bool) -> None:
+    """A client that goes away stops the request in the core (audited as CANCELLED, with
+    far fewer characters than the 1500 tokens asked for), streamed or not."""
+    # 1500 tokens at the fake engine's 2 ms each would take ~3 s; the client leaves at once.
+    body = {"model": "", "prompt": "Write a long story", "max_tokens": 1500, "stream": stream}
+    headers = {"Authorization": f"Bearer {DEMO_KEY}"}
+    before = {e["request_id"] for e in _audit(http_fake_mesh)}
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", f"{http_base(http_fake_mesh)}/completions", json=body,
+                             headers=headers) as response:
+                assert response.status_code == 200
+                first = next(response.iter_lines())
+                assert first.startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{http_base(http_fake_mesh)}/completions", json=body, headers=headers,
+                          timeout=httpx.Timeout(30, read=0.3))
+    deadline = time.monotonic() + 10
+    while True:
+        new = [e for e in _audit(http_fake_mesh) if e["request_id"] not in before]
+        if new:
+            break
+        assert time.monotonic() < deadline, "the request never ended"
+        time.sleep(0.05)
+    [entry] = new
+    assert entry["tenant"] == "demo"
+    assert entry["status"] == "CANCELLED"
+    assert entry.get("completion_tokens") is None
+    # The mesh still serves normally.
+    assert client(http_fake_mesh).completions.create(model="", prompt="x", max_tokens=2).choices
