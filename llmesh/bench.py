@@ -1,0 +1,641 @@
+"""``llmesh bench``: llmesh against ``vllm serve`` on the same model, engine settings and machine.
+
+Phases, one after the other (never two engines at once: on a small box they would share
+cores and both figures would be wrong):
+
+1. llmesh: a local mesh (one vLLM CPU worker on all cores) is started -- or ``--target``
+   names a running one -- warmed up, and driven at every concurrency level.
+2. reference: ``python -m vllm.entrypoints.openai.api_server`` with the same engine
+   settings (max_num_seqs, max_model_len, enforce_eager, KV cache space, cores) -- or
+   ``--reference-url`` names a running one -- driven with the same requests.
+3. overhead: a fake-engine mesh; sequential requests straight to the worker, to the
+   router and through the gateway (gRPC and HTTP) give the per-request cost of the tiers.
+4. batching: the router's batching window on vs off, on fake-engine meshes.
+
+The load is closed-loop and seeded: per level, a fixed list of requests (prompt and
+output lengths drawn from ``--seed``) is sent over N concurrent streams, each stream
+sending its next request when the previous one finished. Both systems get the same
+requests through the same OpenAI HTTP client code (``--llmesh-protocol grpc`` drives
+llmesh over gRPC instead). Output: ``<out>/bench.json`` and ``<out>/bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from llmesh.bench_load import (
+    BenchRequest,
+    CpuMeter,
+    LevelResult,
+    LlmeshGrpcDriver,
+    OpenAIHttpDriver,
+    RequestResult,
+    WorkloadSpec,
+    make_workload,
+    percentile,
+    run_level,
+)
+from llmesh.bench_report import plot, ratios, text_summary, write_json
+
+DEFAULT_LEVELS = (1, 8, 32)
+QUICK_REQUESTS_PER_STREAM = 2
+QUICK_MIN_REQUESTS = 8
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Everything one bench run needs (from the command line)."""
+
+    model_dir: Path
+    model_name: str
+    levels: tuple[int, ...]
+    requests_per_stream: int
+    min_requests: int
+    seed: int
+    workload: WorkloadSpec
+    protocol: str
+    max_num_seqs: int
+    max_model_len: int
+    kvcache_gb: float
+    omp_bind: str
+    out_dir: Path
+    log_dir: Path
+    progress: bool
+    overhead_requests: int
+    batching_levels: tuple[int, ...]
+    batching_wait_ms: float
+    fake_token_delay_ms: float
+
+    def requests_for(self, concurrency: int) -> int:
+        return max(self.min_requests, self.requests_per_stream * concurrency)
+
+
+# --------------------------------------------------------------------------- running load
+
+
+def _bar(opts: BenchOptions, desc: str, total: int) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="req", disable=not opts.progress, leave=True,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+async def _drive_levels(
+    opts: BenchOptions, label: str, driver: Any, cpu: CpuMeter | None, levels: Sequence[int],
+    warmup: int = 2,
+) -> list[LevelResult]:
+    """Warm up (not measured), then every level in order with its own seeded requests."""
+    async with driver:
+        warm = make_workload(warmup, seed=opts.seed + 999_999, spec=opts.workload)
+        for req in warm:
+            res = await driver(req)
+            if not res.ok:
+                print(f"llmesh bench: {label} warm-up request failed: {res.error}", file=sys.stderr)
+        out = []
+        for c in levels:
+            requests = make_workload(opts.requests_for(c), seed=opts.seed * 1000 + c, spec=opts.workload)
+            with _bar(opts, f"{label:>9} {c:>3} streams", len(requests)) as bar:
+
+                def tick(_result: RequestResult, bar: tqdm = bar) -> None:
+                    bar.update()
+
+                out.append(await run_level(driver, requests, c, cpu=cpu, on_result=tick))
+        return out
+
+
+def _system(label: str, levels: list[LevelResult], **extra: Any) -> dict[str, Any]:
+    return {"label": label, **extra, "levels": [lv.summary() for lv in levels]}
+
+
+# --------------------------------------------------------------------------- llmesh
+
+
+def _mesh_cpu_groups(procs: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for p in procs:
+        groups.setdefault(str(p["tier"]), []).append(int(p["pid"]))
+    return groups
+
+
+@contextlib.contextmanager
+def _started_mesh(config: Any, log_dir: Path) -> Iterator[Any]:
+    from llmesh.up import Mesh
+
+    mesh = Mesh(config, log_dir=log_dir)
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None = None) -> Any:
+    from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
+    from llmesh.procs import free_port
+
+    router_settings = {} if batch_max_wait_ms is None else {"batch_max_wait_ms": batch_max_wait_ms}
+    return MeshConfig(
+        model=str(opts.model_dir),
+        served_model_name=opts.model_name,
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
+        router=RouterConfig(settings=router_settings),
+        workers=[WorkerConfig(
+            zone="zone-a", device="cpu", engine="vllm", cpu_omp_threads_bind=opts.omp_bind,
+            settings={"max_num_seqs": opts.max_num_seqs, "max_model_len": opts.max_model_len,
+                      "cpu_kvcache_space_gb": opts.kvcache_gb, "enforce_eager": True},
+        )],
+    )
+
+
+def _llmesh_driver(opts: BenchOptions, grpc_target: str, http_url: str) -> Any:
+    if opts.protocol == "grpc":
+        return LlmeshGrpcDriver(grpc_target, opts.model_name)
+    if not http_url:
+        raise SystemExit("llmesh bench: the llmesh mesh has no HTTP listener; pass --target-http "
+                         "or use --llmesh-protocol grpc")
+    return OpenAIHttpDriver(http_url, opts.model_name)
+
+
+def run_llmesh(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
+    """Drive an existing mesh (``--target``/``--target-http``) or start one for the run."""
+    label = f"llmesh ({opts.protocol})"
+    if args.target or args.target_http:
+        state = _read_state(args.mesh_state)
+        http_url = args.target_http or (state or {}).get("http", "")
+        cpu = CpuMeter(_mesh_cpu_groups(state["processes"])) if state else None
+        if cpu is None:
+            print("llmesh bench: no mesh state file, so no CPU figures for llmesh", file=sys.stderr)
+        driver = _llmesh_driver(opts, args.target or "", http_url)
+        levels = asyncio.run(_drive_levels(opts, "llmesh", driver, cpu, opts.levels))
+        return _system(label, levels, target=args.target or http_url, started_by_bench=False)
+    config = _engine_mesh_config(opts)
+    print("llmesh bench: starting the llmesh mesh", file=sys.stderr)
+    with _started_mesh(config, opts.log_dir / "llmesh") as mesh:
+        state = mesh.state()
+        cpu = CpuMeter(_mesh_cpu_groups(state["processes"]))
+        grpc_target = f"{config.gateway.host}:{config.gateway.port}"
+        driver = _llmesh_driver(opts, grpc_target, state["http"])
+        levels = asyncio.run(_drive_levels(opts, "llmesh", driver, cpu, opts.levels))
+    return _system(label, levels, target=grpc_target, started_by_bench=True,
+                   processes=sorted({p["tier"] for p in state["processes"]}))
+
+
+def _read_state(path: str | None) -> dict[str, Any] | None:
+    from llmesh.home import run_dir
+
+    candidate = Path(path) if path else run_dir() / "mesh.json"
+    if not candidate.is_file():
+        return None
+    data: dict[str, Any] = json.loads(candidate.read_text())
+    return data
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_argv(opts: BenchOptions, port: int) -> list[str]:
+    """The ``vllm serve`` command line (through the module: the console script is broken here)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(opts.model_dir), "--served-model-name", opts.model_name,
+        "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+        "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_num_seqs),
+        "--disable-uvicorn-access-log",
+    ]
+
+
+def _wait_http_ready(url: str, popen: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
+            raise RuntimeError(f"reference server exited with code {popen.returncode}; log {log}\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"reference server not ready at {url} after {timeout:.0f}s; log {log}")
+
+
+@contextlib.contextmanager
+def _started_reference(opts: BenchOptions) -> Iterator[tuple[str, int]]:
+    from llmesh.procs import free_port
+
+    port = free_port()
+    env = dict(os.environ)
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{opts.kvcache_gb:g}"
+    if opts.omp_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = opts.omp_bind
+    opts.log_dir.mkdir(parents=True, exist_ok=True)
+    log = opts.log_dir / "reference-vllm.log"
+    with log.open("ab") as out:
+        popen = subprocess.Popen(reference_argv(opts, port), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        _wait_http_ready(f"http://127.0.0.1:{port}/health", popen, log, timeout=600)
+        yield f"http://127.0.0.1:{port}", popen.pid
+    finally:
+        _stop_group(popen)
+
+
+def _stop_group(popen: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group (engine core included), then SIGKILL."""
+    if popen.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(10)
+    # The engine core may outlive its parent for a moment; it is in the same group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, signal.SIGKILL)
+
+
+def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
+    label = "vllm serve"
+    if args.reference_url:
+        cpu = CpuMeter({"vllm": [args.reference_pid]}) if args.reference_pid else None
+        driver = OpenAIHttpDriver(args.reference_url, opts.model_name)
+        levels = asyncio.run(_drive_levels(opts, "reference", driver, cpu, opts.levels))
+        return _system(label, levels, target=args.reference_url, started_by_bench=False)
+    print("llmesh bench: starting the reference vllm server", file=sys.stderr)
+    with _started_reference(opts) as (url, pid):
+        cpu = CpuMeter({"vllm": [pid]})
+        levels = asyncio.run(_drive_levels(opts, "reference", OpenAIHttpDriver(url, opts.model_name),
+                                           cpu, opts.levels))
+    return _system(label, levels, target="vllm.entrypoints.openai.api_server", started_by_bench=True,
+                   command=" ".join(reference_argv(opts, 0)).replace(" --port 0", ""))
+
+
+# --------------------------------------------------------------------------- overhead
+
+
+def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wait_ms: float | None) -> Any:
+    from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
+    from llmesh.procs import free_port
+
+    router_settings = {} if batch_max_wait_ms is None else {"batch_max_wait_ms": batch_max_wait_ms}
+    return MeshConfig(
+        model=str(opts.model_dir),
+        served_model_name=opts.model_name,
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
+        router=RouterConfig(settings=router_settings),
+        workers=[WorkerConfig(zone="zone-a", engine="fake",
+                              settings={"fake_token_delay_ms": token_delay_ms, "fake_max_running": 256,
+                                        "max_num_seqs": 256})],
+    )
+
+
+class _TokenPathDriver:
+    """Sends token ids straight to a worker's or a router's Generate (no tokenizer, no postprocessor)."""
+
+    def __init__(self, target: str, kind: str, model_dir: Path, model: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.target = target
+        self.kind = kind
+        self.model = model
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._channel: Any = None
+        self._stub: Any = None
+
+    async def __aenter__(self) -> _TokenPathDriver:
+        import grpc
+
+        self._channel = grpc.aio.insecure_channel(self.target)
+        if self.kind == "worker":
+            from llmesh.worker.v1 import worker_pb2_grpc
+
+            self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        else:
+            from llmesh.router.v1 import router_pb2_grpc
+
+            self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def __call__(self, request: BenchRequest) -> RequestResult:
+        import grpc
+
+        from llmesh.common.v1 import common_pb2
+
+        ids = self.tokenizer.encode(request.prompt, add_special_tokens=False).ids
+        token_request = common_pb2.TokenRequest(
+            request_id=uuid.uuid4().hex, model=self.model, prompt_token_ids=ids,
+            sampling=common_pb2.EngineSampling(max_tokens=request.max_tokens, ignore_eos=True,
+                                               temperature=0.0),
+        )
+        if self.kind == "worker":
+            from llmesh.worker.v1 import worker_pb2
+
+            req: Any = worker_pb2.GenerateRequest(request=token_request)
+        else:
+            from llmesh.router.v1 import router_pb2
+
+            req = router_pb2.GenerateRequest(request=token_request)
+        result = RequestResult()
+        start = time.perf_counter()
+        last: float | None = None
+        tokens = 0
+        try:
+            async for item in self._stub.Generate(req, timeout=60):
+                if item.HasField("delta") and item.delta.token_ids:
+                    now = time.perf_counter()
+                    if last is None:
+                        result.ttft_s = now - start
+                    else:
+                        result.chunk_gaps_s.append(now - last)
+                    last = now
+                    tokens += len(item.delta.token_ids)
+        except grpc.aio.AioRpcError as err:
+            result.error = f"{err.code().name}: {err.details()}"
+        result.latency_s = time.perf_counter() - start
+        result.output_tokens = tokens
+        result.ok = not result.error and tokens > 0
+        return result
+
+
+async def _sequential(driver: Any, requests: Sequence[BenchRequest], warmup: int = 5) -> LevelResult:
+    async with driver:
+        for req in requests[:warmup]:
+            await driver(req)
+        return await run_level(driver, requests[warmup:], 1)
+
+
+def _path_figures(level: LevelResult) -> dict[str, Any]:
+    s = level.summary()
+    return {k: s[k] for k in ("requests", "errors", "error_samples", "ttft_ms", "latency_ms", "itl_ms")}
+
+
+def run_overhead(opts: BenchOptions) -> dict[str, Any]:
+    """Per-request cost of router and gateway (+ tokenizer, postprocessor) over a fake worker."""
+    config = _fake_mesh_config(opts, token_delay_ms=0.0, batch_max_wait_ms=None)
+    spec = WorkloadSpec(prompt_words=(16, 64), output_tokens=(32, 32))
+    requests = make_workload(opts.overhead_requests + 5, seed=opts.seed + 4242, spec=spec)
+    print("llmesh bench: starting a fake-engine mesh for the overhead measurement", file=sys.stderr)
+    with _started_mesh(config, opts.log_dir / "overhead") as mesh:
+        worker = next(p for p in mesh.procs if p.tier == "worker")
+        router = next(p for p in mesh.procs if p.tier == "router")
+        gateway = f"{config.gateway.host}:{config.gateway.port}"
+        http = mesh.state()["http"]
+        drivers = {
+            "worker (direct)": _TokenPathDriver(worker.address, "worker", opts.model_dir, opts.model_name),
+            "router (direct)": _TokenPathDriver(router.address, "router", opts.model_dir, opts.model_name),
+            "gateway gRPC": LlmeshGrpcDriver(gateway, opts.model_name),
+            "gateway HTTP": OpenAIHttpDriver(http, opts.model_name),
+        }
+        paths: dict[str, Any] = {}
+        with _bar(opts, " overhead paths", len(drivers)) as bar:
+            for name, driver in drivers.items():
+                paths[name] = _path_figures(asyncio.run(_sequential(driver, requests)))
+                bar.update()
+
+    def p50(path: str, fig: str) -> float:
+        return float(paths[path][fig]["p50"])
+
+    added = {
+        "router_ttft_p50": p50("router (direct)", "ttft_ms") - p50("worker (direct)", "ttft_ms"),
+        "router_total_p50": p50("router (direct)", "latency_ms") - p50("worker (direct)", "latency_ms"),
+        "router_gateway_ttft_p50": p50("gateway gRPC", "ttft_ms") - p50("worker (direct)", "ttft_ms"),
+        "router_gateway_total_p50": p50("gateway gRPC", "latency_ms") - p50("worker (direct)", "latency_ms"),
+        "router_gateway_http_ttft_p50": p50("gateway HTTP", "ttft_ms") - p50("worker (direct)", "ttft_ms"),
+    }
+    return {
+        "engine": "fake (0 ms per token)",
+        "requests_per_path": opts.overhead_requests,
+        "output_tokens_per_request": spec.output_tokens[0],
+        "paths": paths,
+        "added_ms": {k: round(v, 3) for k, v in added.items()},
+        "note": "gateway paths include the tokenizer and postprocessor calls; sequential requests",
+    }
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def run_batching(opts: BenchOptions) -> dict[str, Any]:
+    """The router's batching window on (``batching_wait_ms``) vs off (0) on fake-engine meshes."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for label, wait_ms in (("on", opts.batching_wait_ms), ("off", 0.0)):
+        config = _fake_mesh_config(opts, token_delay_ms=opts.fake_token_delay_ms, batch_max_wait_ms=wait_ms)
+        print(f"llmesh bench: fake-engine mesh with batch_max_wait_ms={wait_ms:g}", file=sys.stderr)
+        with _started_mesh(config, opts.log_dir / f"batching-{label}") as mesh:
+            cpu = CpuMeter(_mesh_cpu_groups(mesh.state()["processes"]))
+            driver = LlmeshGrpcDriver(f"{config.gateway.host}:{config.gateway.port}", opts.model_name)
+            levels = asyncio.run(_drive_levels(opts, f"batch {label}", driver, cpu, opts.batching_levels))
+        runs[label] = [lv.summary() for lv in levels]
+    comparison = []
+    for on, off in zip(runs["on"], runs["off"], strict=True):
+        comparison.append({
+            "concurrency": on["concurrency"],
+            "on_tok_s": on["output_tokens_per_s"], "off_tok_s": off["output_tokens_per_s"],
+            "on_ttft_p50_ms": on["ttft_ms"]["p50"], "off_ttft_p50_ms": off["ttft_ms"]["p50"],
+            "on_ttft_p99_ms": on["ttft_ms"]["p99"], "off_ttft_p99_ms": off["ttft_ms"]["p99"],
+            "on_cpu_s_per_1k": on["cpu_s_per_1k_tokens"].get("total"),
+            "off_cpu_s_per_1k": off["cpu_s_per_1k_tokens"].get("total"),
+            "on_errors": on["errors"], "off_errors": off["errors"],
+        })
+    return {"engine": f"fake ({opts.fake_token_delay_ms:g} ms per token)", "on_ms": opts.batching_wait_ms,
+            "runs": runs, "comparison": comparison}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise argparse.ArgumentTypeError("concurrency levels must be integers >= 1")
+    return levels
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmesh bench",
+        description="Benchmark llmesh against vllm serve (the reference) on the same model, engine "
+        "settings and machine, one after the other. Closed-loop seeded load at several concurrency "
+        "levels; reports output tokens/s, TTFT and inter-token latency (P50/P99), errors, CPU seconds "
+        "per tier per 1k output tokens and the llmesh/reference ratio of every figure; also the "
+        "per-request overhead of router+gateway (fake engine) and the batching window on vs off. "
+        "Writes <out>/bench.json and <out>/bench.png.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("what to run")
+    g.add_argument("--quick", action="store_true",
+                   help=f"fewer requests per level ({QUICK_REQUESTS_PER_STREAM} per stream, at least "
+                   f"{QUICK_MIN_REQUESTS}) and shorter overhead/batching phases (< 10 min on 2 cores)")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="model name known to `llmesh model`, or a model directory")
+    g.add_argument("--concurrency", type=_levels, default=DEFAULT_LEVELS,
+                   help="comma-separated concurrent-stream levels")
+    g.add_argument("--requests-per-stream", type=int, default=4,
+                   help="requests per level = max(--min-requests, this x concurrency)")
+    g.add_argument("--min-requests", type=int, default=16, help="least requests per level")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and output lengths")
+    g.add_argument("--prompt-words", type=_range, default=(16, 96), help="words per prompt, LO-HI (uniform)")
+    g.add_argument("--output-tokens", type=_range, default=(96, 128),
+                   help="max_tokens per request, LO-HI (uniform; EOS ignored, so exactly this many)")
+    g.add_argument("--llmesh-protocol", choices=("http", "grpc"), default="http",
+                   help="drive llmesh through its OpenAI HTTP listener (same client as the reference) "
+                   "or through gRPC GenerateStream")
+    g.add_argument("--skip-llmesh", action="store_true", help="do not run the llmesh phase")
+    g.add_argument("--skip-reference", action="store_true", help="do not run the vllm serve phase")
+    g.add_argument("--skip-overhead", action="store_true", help="do not measure router+gateway overhead")
+    g.add_argument("--skip-batching", action="store_true", help="do not compare batching window on/off")
+    e = p.add_argument_group("engine settings (both systems)")
+    e.add_argument("--max-num-seqs", type=int, default=32, help="vLLM max_num_seqs")
+    e.add_argument("--max-model-len", type=int, default=2048, help="vLLM max_model_len")
+    e.add_argument("--kvcache-gb", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    e.add_argument("--omp-threads-bind", default="0-1",
+                   help="VLLM_CPU_OMP_THREADS_BIND of the engine (all cores for each system, one at a time)")
+    t = p.add_argument_group("existing servers instead of starting them")
+    t.add_argument("--target", default="", help="gRPC address of a running llmesh gateway")
+    t.add_argument("--target-http", default="", help="base URL of a running llmesh gateway's HTTP listener")
+    t.add_argument("--mesh-state", default=None,
+                   help="mesh.json of the running mesh (pids for CPU figures); default: `llmesh up`'s")
+    t.add_argument("--reference-url", default="", help="base URL of a running OpenAI-compatible reference")
+    t.add_argument("--reference-pid", type=int, default=0, help="pid of the running reference (CPU figures)")
+    o = p.add_argument_group("overhead and batching phases")
+    o.add_argument("--overhead-requests", type=int, default=200, help="sequential requests per path")
+    o.add_argument("--batching-concurrency", type=_levels, default=(1, 32),
+                   help="levels of the batching phase")
+    o.add_argument("--batching-wait-ms", type=float, default=5.0, help="router batch_max_wait_ms when on")
+    o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
+                   help="fake engine's delay per token in the batching phase")
+    r = p.add_argument_group("output")
+    r.add_argument("--out", default="bench-results", help="directory for bench.json, bench.png and logs")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    from llmesh.up import resolve_model
+    from services.common.modelinfo import served_model_name
+
+    model_dir = resolve_model(args.model)
+    out_dir = Path(args.out)
+    quick = args.quick
+    return BenchOptions(
+        model_dir=model_dir,
+        model_name=served_model_name(model_dir, ""),
+        levels=args.concurrency,
+        requests_per_stream=QUICK_REQUESTS_PER_STREAM if quick else args.requests_per_stream,
+        min_requests=QUICK_MIN_REQUESTS if quick else args.min_requests,
+        seed=args.seed,
+        workload=WorkloadSpec(prompt_words=args.prompt_words, output_tokens=args.output_tokens),
+        protocol=args.llmesh_protocol,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kvcache_gb=args.kvcache_gb,
+        omp_bind=args.omp_threads_bind,
+        out_dir=out_dir,
+        log_dir=out_dir / "logs",
+        progress=not args.no_progress,
+        overhead_requests=min(args.overhead_requests, 60) if quick else args.overhead_requests,
+        batching_levels=args.batching_concurrency,
+        batching_wait_ms=args.batching_wait_ms,
+        fake_token_delay_ms=args.fake_token_delay_ms,
+    )
+
+
+def _machine() -> str:
+    try:
+        import psutil
+
+        mem = f", {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    except ImportError:  # pragma: no cover
+        mem = ""
+    return f"{os.cpu_count()} cores{mem}, {platform.machine()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    opts = options_from_args(args)
+    started = time.time()
+    report: dict[str, Any] = {
+        "meta": {
+            "command": "llmesh bench " + " ".join(sys.argv[2:] if argv is None else argv),
+            "started_unix": round(started, 1),
+            "model": opts.model_name,
+            "machine": _machine(),
+            "seed": opts.seed,
+            "quick": bool(args.quick),
+            "llmesh_protocol": opts.protocol,
+            "engine": {"max_num_seqs": opts.max_num_seqs, "max_model_len": opts.max_model_len,
+                       "kvcache_gb": opts.kvcache_gb, "enforce_eager": True,
+                       "omp_threads_bind": opts.omp_bind},
+            "workload": {"prompt_words": list(opts.workload.prompt_words),
+                         "output_tokens": list(opts.workload.output_tokens),
+                         "requests_per_level": {str(c): opts.requests_for(c) for c in opts.levels},
+                         "sampling": "temperature 0, ignore_eos, streamed"},
+        },
+        "systems": {},
+    }
+    try:
+        if not args.skip_llmesh:
+            report["systems"]["llmesh"] = run_llmesh(opts, args)
+        if not args.skip_reference:
+            report["systems"]["reference"] = run_reference(opts, args)
+        if "llmesh" in report["systems"] and "reference" in report["systems"]:
+            report["ratios"] = ratios(report["systems"]["llmesh"]["levels"],
+                                      report["systems"]["reference"]["levels"])
+        if not args.skip_overhead:
+            report["overhead"] = run_overhead(opts)
+        if not args.skip_batching:
+            report["batching"] = run_batching(opts)
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"llmesh bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("llmesh bench: interrupted", file=sys.stderr)
+        return 130
+    report["meta"]["duration_s"] = round(time.time() - started, 1)
+    json_path = write_json(report, opts.out_dir / "bench.json")
+    png_path = plot(report, opts.out_dir / "bench.png")
+    print(text_summary(report))
+    print(f"\nllmesh bench: wrote {json_path}" + (f" and {png_path}" if png_path else ""))
+    if png_path is None:
+        print("llmesh bench: no plot (matplotlib is not installed: pip install matplotlib)", file=sys.stderr)
+    return 0
+
+
+__all__ = ["build_parser", "main", "percentile", "reference_argv"]

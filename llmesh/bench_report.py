@@ -1,0 +1,218 @@
+"""Report of ``llmesh bench``: llmesh/reference ratios, JSON, a PNG plot and a text table."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+RATIO_FIGURES: tuple[tuple[str, ...], ...] = (
+    ("output_tokens_per_s",),
+    ("requests_per_s",),
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p99"),
+    ("itl_ms", "p50"),
+    ("itl_ms", "p99"),
+    ("tpot_ms", "p50"),
+    ("tpot_ms", "p99"),
+    ("latency_ms", "p50"),
+    ("latency_ms", "p99"),
+    ("errors",),
+    ("cpu_s_per_1k_tokens", "total"),
+)
+"""Figures compared per concurrency level (path into a level summary)."""
+
+
+def _get(summary: Mapping[str, Any], path: Sequence[str]) -> float:
+    value: Any = summary
+    for key in path:
+        if not isinstance(value, Mapping) or key not in value:
+            return math.nan
+        value = value[key]
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b; None when undefined (NaN, or b == 0 unless both are 0, which gives 1.0)."""
+    if math.isnan(a) or math.isnan(b):
+        return None
+    if b == 0:
+        return 1.0 if a == 0 else None
+    return round(a / b, 4)
+
+
+def ratios(
+    llmesh: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """llmesh / reference for every figure of every concurrency level both systems ran."""
+    by_c = {int(s["concurrency"]): s for s in reference}
+    out = []
+    for mine in llmesh:
+        c = int(mine["concurrency"])
+        ref = by_c.get(c)
+        if ref is None:
+            continue
+        row: dict[str, Any] = {"concurrency": c}
+        for path in RATIO_FIGURES:
+            row[".".join(path)] = ratio(_get(mine, path), _get(ref, path))
+        # Added time to first token (ms), the figure the goal is stated in.
+        row["ttft_p50_added_ms"] = _delta(_get(mine, ("ttft_ms", "p50")), _get(ref, ("ttft_ms", "p50")))
+        out.append(row)
+    return out
+
+
+def _delta(a: float, b: float) -> float | None:
+    return None if math.isnan(a) or math.isnan(b) else round(a - b, 3)
+
+
+def _clean(value: Any) -> Any:
+    """NaN is not JSON: write null instead."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(report: Mapping[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(dict(report)), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def _series(levels: Sequence[Mapping[str, Any]], path: Sequence[str]) -> tuple[list[int], list[float]]:
+    xs = [int(s["concurrency"]) for s in levels]
+    ys = [_get(s, path) for s in levels]
+    return xs, ys
+
+
+def plot(report: Mapping[str, Any], path: Path) -> Path | None:
+    """Throughput, TTFT, ITL and CPU cost against concurrency, one line per system.
+
+    Returns None (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    systems: dict[str, Any] = report.get("systems", {})
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), dpi=80)
+    panels: list[tuple[Any, str, str, list[tuple[tuple[str, ...], str, str]]]] = [
+        (axes[0][0], "Output throughput", "tokens/s", [(("output_tokens_per_s",), "-", "")]),
+        (axes[0][1], "Time to first token", "ms (log)", [(("ttft_ms", "p50"), "-", " p50"),
+                                                         (("ttft_ms", "p99"), "--", " p99")]),
+        (axes[1][0], "Inter-token latency", "ms", [(("itl_ms", "p50"), "-", " p50"),
+                                                   (("itl_ms", "p99"), "--", " p99")]),
+        (axes[1][1], "CPU per 1k output tokens (all processes)", "CPU s",
+         [(("cpu_s_per_1k_tokens", "total"), "-", "")]),
+    ]
+    colors = {"llmesh": "tab:blue", "reference": "tab:orange"}
+    all_c: set[int] = set()
+    for ax, title, unit, lines in panels:
+        for name, system in systems.items():
+            levels = system.get("levels", [])
+            label = system.get("label", name)
+            for fig_path, style, suffix in lines:
+                xs, ys = _series(levels, fig_path)
+                all_c.update(xs)
+                if xs and not all(math.isnan(y) for y in ys):
+                    ax.plot(xs, ys, style, marker="o", color=colors.get(name), label=f"{label}{suffix}")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(unit)
+        ax.set_xlabel("concurrent streams")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    axes[0][1].set_yscale("log")
+    for ax, *_ in panels:
+        if all_c:
+            ax.set_xticks(sorted(all_c))
+            ax.set_xticklabels([str(c) for c in sorted(all_c)])
+    meta = report.get("meta", {})
+    fig.suptitle(f"llmesh vs vllm serve - {meta.get('model', '')} ({meta.get('machine', '')})", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def level_table(report: Mapping[str, Any]) -> str:
+    """Markdown table: one row per system and concurrency, then the ratios."""
+    rows = ["| system | streams | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors | CPU s/1k tok |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, system in report.get("systems", {}).items():
+        for s in system.get("levels", []):
+            rows.append(
+                f"| {system.get('label', name)} | {s['concurrency']} | {_fmt(s['output_tokens_per_s'])} "
+                f"| {_fmt(s['ttft_ms']['p50'])} | {_fmt(s['ttft_ms']['p99'])} | {_fmt(s['itl_ms']['p50'])} "
+                f"| {_fmt(s['itl_ms']['p99'])} | {s['errors']} "
+                f"| {_fmt(s['cpu_s_per_1k_tokens'].get('total'), 2)} |"
+            )
+    ratio_rows = report.get("ratios", [])
+    if ratio_rows:
+        rows += ["", "| llmesh / reference | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | CPU/1k tok "
+                 "| added TTFT p50 (ms) |",
+                 "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in ratio_rows:
+            rows.append(
+                f"| {r['concurrency']} streams | {_fmt(r['output_tokens_per_s'], 3)} "
+                f"| {_fmt(r['ttft_ms.p50'], 3)} | {_fmt(r['ttft_ms.p99'], 3)} | {_fmt(r['itl_ms.p50'], 3)} "
+                f"| {_fmt(r['itl_ms.p99'], 3)} | {_fmt(r['cpu_s_per_1k_tokens.total'], 3)} "
+                f"| {_fmt(r['ttft_p50_added_ms'], 1)} |"
+            )
+    return "\n".join(rows)
+
+
+def cpu_table(report: Mapping[str, Any]) -> str:
+    """Markdown table of CPU seconds per 1k output tokens per tier."""
+    rows = []
+    for name, system in report.get("systems", {}).items():
+        for s in system.get("levels", []):
+            per = s.get("cpu_s_per_1k_tokens", {})
+            cells = ", ".join(f"{tier} {_fmt(v, 3)}" for tier, v in per.items())
+            rows.append(f"- {system.get('label', name)}, {s['concurrency']} streams: {cells}")
+    return "\n".join(rows)
+
+
+def text_summary(report: Mapping[str, Any]) -> str:
+    """What ``llmesh bench`` prints at the end."""
+    parts = [level_table(report)]
+    cpu = cpu_table(report)
+    if cpu:
+        parts += ["", "CPU seconds per 1k output tokens:", cpu]
+    overhead = report.get("overhead")
+    if overhead:
+        parts += ["", "Per-request overhead with a fake-engine mesh (sequential requests, p50):"]
+        for path, figs in overhead.get("paths", {}).items():
+            parts.append(f"- {path}: TTFT {_fmt(figs['ttft_ms']['p50'], 2)} ms, "
+                         f"total {_fmt(figs['latency_ms']['p50'], 2)} ms, errors {figs['errors']}")
+        for key, value in overhead.get("added_ms", {}).items():
+            parts.append(f"- added {key}: {_fmt(value, 2)} ms")
+    batching = report.get("batching")
+    if batching:
+        parts += ["", f"Batching window on ({batching.get('on_ms')} ms) vs off, "
+                  f"{batching.get('engine')} engine:"]
+        for row in batching.get("comparison", []):
+            parts.append(
+                f"- {row['concurrency']} streams: tok/s on {_fmt(row['on_tok_s'])} "
+                f"off {_fmt(row['off_tok_s'])}; TTFT p50 on {_fmt(row['on_ttft_p50_ms'], 2)} "
+                f"off {_fmt(row['off_ttft_p50_ms'], 2)} ms; CPU s/1k tok on {_fmt(row['on_cpu_s_per_1k'], 3)} "
+                f"off {_fmt(row['off_cpu_s_per_1k'], 3)}")
+    return "\n".join(parts)
