@@ -207,10 +207,8 @@ class PostprocessSession:
         self._report_redactions()
         return self.skip.apply(released)
 
-    def feed(self, token_ids: Sequence[int], field: str = "tokens.token_ids") -> Step:
-        """Process newly generated tokens. Raises InvalidArgument for ids out of range."""
-        if self.final is not None:
-            return Step("")
+    def check(self, token_ids: Sequence[int], field: str = "tokens.token_ids") -> None:
+        """Raise InvalidArgument (naming the index) for ids out of range or too many tokens."""
         if self.tokens + len(token_ids) > self.limits.max_tokens_per_stream:
             raise InvalidArgument(
                 field, f"stream exceeds {self.limits.max_tokens_per_stream} tokens"
@@ -221,6 +219,12 @@ class PostprocessSession:
                 raise InvalidArgument(
                     f"{field}[{i}]", f"token id {token} is outside the vocabulary (0..{vocab - 1})"
                 )
+
+    def feed(self, token_ids: Sequence[int], field: str = "tokens.token_ids") -> Step:
+        """Process newly generated tokens (checked first, see ``check``)."""
+        if self.final is not None:
+            return Step("")
+        self.check(token_ids, field)
         out: list[str] = []
         for token in token_ids:
             self.tokens += 1

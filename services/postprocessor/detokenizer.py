@@ -104,7 +104,9 @@ class IncrementalDetokenizer:
     def _in_byte_run(self) -> bool:
         if not self.byte_token_ids:
             return False
-        for token in reversed(self.token_ids):
+        # Look back no further than the window: its first tokens were emitted complete.
+        for index in range(len(self.token_ids) - 1, self.prefix_offset - 1, -1):
+            token = self.token_ids[index]
             if token in self.invisible_ids:
                 continue
             return token in self.byte_token_ids

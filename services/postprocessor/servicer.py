@@ -8,6 +8,7 @@ then stops the engine, and whatever it still sends is ignored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,9 @@ from services.postprocessor import convert, metrics
 from services.postprocessor.core import PostprocessCore, PostprocessSession, Step
 
 log = logging.getLogger(__name__)
+
+# Tokens processed between two yields to the event loop (a few milliseconds of work).
+SLICE_TOKENS = 256
 
 SERVICE_NAME = postprocess_pb2.DESCRIPTOR.services_by_name["PostprocessService"].full_name
 
@@ -43,8 +47,19 @@ class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
                 continue
             if kind == "tokens":
                 ids = list(request.tokens.token_ids)
-                step: Step = session.feed(ids)
+                session.check(ids)
                 metrics.TOKENS.labels(session.model.name).inc(len(ids))
+                # A replay can carry thousands of tokens in one message: process it in
+                # slices and let other streams on this event loop run in between.
+                step: Step = Step("")
+                for offset in range(0, len(ids), SLICE_TOKENS):
+                    if offset:
+                        await asyncio.sleep(0)
+                    step = session.feed(ids[offset:offset + SLICE_TOKENS])
+                    if step.final is not None or offset + SLICE_TOKENS >= len(ids):
+                        break  # the last slice's text and final are sent below
+                    if step.text:
+                        yield convert.delta(step.text)
             elif kind == "end":
                 step = session.end(convert.upstream_from_proto(request.end.finish_reason))
             elif kind == "config":

@@ -186,3 +186,17 @@ async def test_client_cancel_mid_stream(stub, tokenizers, postprocessor_server):
     await call.write(tokens(_encode(tokenizers, TINY, "partial output")))
     call.cancel()
     assert await health_status(channel, SERVICE_NAME) == "SERVING"
+
+
+async def test_long_replay_in_one_message(stub, tokenizers):
+    sentence = "The bank opened a new branch in Shanghai 上海 today. "
+    text = sentence * 60 + "FIN and then nothing more." + sentence * 10
+    ids = _encode(tokenizers, TINY, text)
+    assert len(ids) > 3 * 256  # several slices of the servicer
+    deltas, finals = await _process(stub, [config(model=TINY, stop=["FIN"]), tokens(ids), end()])
+    assert "".join(deltas) == sentence * 60
+    assert len(deltas) >= 3  # slices before the stop were streamed as they were done
+    assert len(finals) == 1 and finals[0].matched_stop == "FIN"
+    deltas, finals = await _process(stub, [config(model=TINY), tokens(ids), end()])
+    assert "".join(deltas) == text == tokenizers[TINY].tokenizer.decode(ids)
+    assert finals[0].completion_tokens == len(ids)
