@@ -213,6 +213,7 @@ def text_summary(report: Mapping[str, Any]) -> str:
             parts.append(
                 f"- {row['concurrency']} streams: tok/s on {_fmt(row['on_tok_s'])} "
                 f"off {_fmt(row['off_tok_s'])}; TTFT p50 on {_fmt(row['on_ttft_p50_ms'], 2)} "
-                f"off {_fmt(row['off_ttft_p50_ms'], 2)} ms; CPU s/1k tok on {_fmt(row['on_cpu_s_per_1k'], 3)} "
+                f"off {_fmt(row['off_ttft_p50_ms'], 2)} ms; "
+                f"CPU s/1k tok on {_fmt(row['on_cpu_s_per_1k'], 3)} "
                 f"off {_fmt(row['off_cpu_s_per_1k'], 3)}")
     return "\n".join(parts)

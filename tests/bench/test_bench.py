@@ -1,0 +1,197 @@
+"""``llmesh bench`` end to end against a tiny fake-engine mesh and a stub OpenAI server (no vLLM).
+
+Checks the report's shape (levels, ratios, CPU per tier, overhead and batching phases),
+that failures are counted rather than hidden, and that a PNG is written. Never speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmesh import bench
+from llmesh.bench_load import WorkloadSpec, make_workload, percentile
+from llmesh.bench_report import RATIO_FIGURES, ratio, ratios
+from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
+from llmesh.procs import free_port
+from llmesh.up import Mesh
+from tests.bench.stub_openai import StubOpenAI
+
+TIERS = {"gateway", "router", "worker", "tokenizer", "postprocessor"}
+LEVEL_KEYS = {"concurrency", "requests", "completed", "errors", "error_samples", "duration_s",
+              "output_tokens", "output_tokens_per_s", "requests_per_s", "ttft_ms", "itl_ms", "tpot_ms",
+              "latency_ms", "cpu_s", "cpu_s_per_1k_tokens"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def bench_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = MeshConfig(
+        model=str(tiny_deepseek_dir),
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
+        router=RouterConfig(zones=["zone-a"]),
+        workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 1})],
+    )
+    mesh = Mesh(config, log_dir=tmp_path_factory.mktemp("bench-mesh"))
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@pytest.fixture
+def stub() -> Iterator[StubOpenAI]:
+    server = StubOpenAI().start()
+    yield server
+    server.stop()
+
+
+def _common_args(mesh: Mesh, tmp_path: Path) -> list[str]:
+    state = tmp_path / "mesh.json"
+    state.write_text(json.dumps(mesh.state()))
+    return [
+        "--model", str(mesh.model_dir), "--target", f"127.0.0.1:{mesh.config.gateway.port}",
+        "--target-http", f"http://127.0.0.1:{mesh.config.gateway.http_port}", "--mesh-state", str(state),
+        "--concurrency", "1,4", "--min-requests", "4", "--requests-per-stream", "1",
+        "--prompt-words", "4-8", "--output-tokens", "6-12", "--out", str(tmp_path / "out"), "--no-progress",
+    ]
+
+
+def _report(tmp_path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((tmp_path / "out" / "bench.json").read_text())
+    return data
+
+
+def _check_level(level: dict[str, Any], concurrency: int, tiers: set[str]) -> None:
+    assert set(level) == LEVEL_KEYS
+    assert level["concurrency"] == concurrency
+    assert level["requests"] == max(4, concurrency)
+    assert level["errors"] == 0 and level["completed"] == level["requests"], level["error_samples"]
+    # EOS is ignored, so every request generates exactly its max_tokens (6..12).
+    assert 6 * level["requests"] <= level["output_tokens"] <= 12 * level["requests"]
+    for fig in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
+        assert level[fig]["p50"] is not None and level[fig]["p50"] <= level[fig]["p99"]
+    assert level["ttft_ms"]["p99"] <= level["latency_ms"]["p99"]
+    assert set(level["cpu_s_per_1k_tokens"]) == tiers | {"total"}
+    assert level["cpu_s_per_1k_tokens"]["total"] > 0
+
+
+def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_path: Path) -> None:
+    argv = [*_common_args(bench_mesh, tmp_path), "--reference-url", stub.url,
+            "--reference-pid", str(os.getpid()), "--skip-overhead", "--skip-batching"]
+    assert bench.main(argv) == 0
+    report = _report(tmp_path)
+    assert set(report["systems"]) == {"llmesh", "reference"}
+    for name, tiers in (("llmesh", TIERS), ("reference", {"vllm"})):
+        levels = report["systems"][name]["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 4]
+        for level, c in zip(levels, (1, 4), strict=True):
+            _check_level(level, c, tiers)
+    # Both systems got the very same requests (like for like).
+    assert len(stub.requests) == 2 + 4 + 4  # warm-up + two levels
+    spec = WorkloadSpec((4, 8), (6, 12))
+    # Level c uses seed 1000 * --seed + c (--seed defaults to 0).
+    assert {r["prompt"] for r in stub.requests[2:]} == {
+        r.prompt for c in (1, 4) for r in make_workload(4, seed=c, spec=spec)
+    }
+    rows = report["ratios"]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for row in rows:
+        assert {".".join(p) for p in RATIO_FIGURES} | {"concurrency", "ttft_p50_added_ms"} == set(row)
+        c = row["concurrency"]
+        mine = next(lv for lv in report["systems"]["llmesh"]["levels"] if lv["concurrency"] == c)
+        ref = next(lv for lv in report["systems"]["reference"]["levels"] if lv["concurrency"] == c)
+        assert row["output_tokens_per_s"] == pytest.approx(
+            mine["output_tokens_per_s"] / ref["output_tokens_per_s"], rel=1e-3)
+        assert row["errors"] == 1.0  # 0 / 0
+    png = tmp_path / "out" / "bench.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+
+
+def test_grpc_protocol_overhead_and_batching(bench_mesh: Mesh, tmp_path: Path) -> None:
+    argv = [*_common_args(bench_mesh, tmp_path), "--llmesh-protocol", "grpc", "--skip-reference",
+            "--overhead-requests", "6", "--batching-concurrency", "2", "--fake-token-delay-ms", "1"]
+    assert bench.main(argv) == 0
+    report = _report(tmp_path)
+    assert set(report["systems"]) == {"llmesh"} and "ratios" not in report
+    assert report["systems"]["llmesh"]["label"] == "llmesh (grpc)"
+    for level, c in zip(report["systems"]["llmesh"]["levels"], (1, 4), strict=True):
+        _check_level(level, c, TIERS)
+    overhead = report["overhead"]
+    assert set(overhead["paths"]) == {"worker (direct)", "router (direct)", "gateway gRPC", "gateway HTTP"}
+    for figs in overhead["paths"].values():
+        assert figs["requests"] == 6 and figs["errors"] == 0, figs["error_samples"]
+    assert set(overhead["added_ms"]) == {"router_ttft_p50", "router_total_p50", "router_gateway_ttft_p50",
+                                         "router_gateway_total_p50", "router_gateway_http_ttft_p50"}
+    batching = report["batching"]
+    assert [row["concurrency"] for row in batching["comparison"]] == [2]
+    row = batching["comparison"][0]
+    assert row["on_errors"] == 0 and row["off_errors"] == 0
+    assert row["on_tok_s"] > 0 and row["off_tok_s"] > 0
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_failed_requests_are_counted(bench_mesh: Mesh, tmp_path: Path) -> None:
+    failing = StubOpenAI(fail_every=4).start()
+    try:
+        argv = [*_common_args(bench_mesh, tmp_path), "--reference-url", failing.url, "--skip-llmesh",
+                "--skip-overhead", "--skip-batching"]
+        assert bench.main(argv) == 0
+    finally:
+        failing.stop()
+    levels = _report(tmp_path)["systems"]["reference"]["levels"]
+    # 2 warm-up requests then 4 + 4: requests 4 and 8 of the stub fail -> 1 in each level.
+    assert [lv["errors"] for lv in levels] == [1, 1]
+    assert [lv["completed"] for lv in levels] == [3, 3]
+    assert all("HTTP 500" in lv["error_samples"][0] for lv in levels)
+
+
+def test_bad_arguments_exit_with_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--concurrency", "0"], ["--concurrency", "a,b"], ["--output-tokens", "9-3"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2
+    assert "--concurrency" in capsys.readouterr().err
+
+
+def test_help_documents_the_phases(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--quick", "--target", "--reference-url", "--llmesh-protocol", "--concurrency", "--out"):
+        assert flag in text
+
+
+def test_workload_is_seeded() -> None:
+    spec = WorkloadSpec(prompt_words=(3, 9), output_tokens=(5, 7))
+    a, b = make_workload(20, 7, spec), make_workload(20, 7, spec)
+    assert a == b
+    assert a != make_workload(20, 8, spec)
+    assert all(5 <= r.max_tokens <= 7 for r in a)
+    assert len({r.prompt for r in a}) == 20
+
+
+def test_percentile_and_ratio() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert ratio(2.0, 4.0) == 0.5
+    assert ratio(0.0, 0.0) == 1.0
+    assert ratio(1.0, 0.0) is None
+    assert ratio(math.nan, 1.0) is None
+    rows = ratios([{"concurrency": 1, "output_tokens_per_s": 50.0, "ttft_ms": {"p50": 12.0}}],
+                  [{"concurrency": 1, "output_tokens_per_s": 100.0, "ttft_ms": {"p50": 10.0}},
+                   {"concurrency": 8, "output_tokens_per_s": 1.0}])
+    assert len(rows) == 1
+    assert rows[0]["output_tokens_per_s"] == 0.5 and rows[0]["ttft_ms.p50"] == 1.2
+    assert rows[0]["ttft_p50_added_ms"] == 2.0
+    assert rows[0]["itl_ms.p99"] is None
