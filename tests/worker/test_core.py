@@ -1,0 +1,83 @@
+"""Pure core and configuration tests (no server, no engine)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InvalidArgument, NotFound
+from services.worker.core import WorkerCore, WorkerIdentity, request_violations
+from services.worker.engine import EngineInfo, EngineRequest, Sampling
+from services.worker.fake_engine import FakeEngine
+from services.worker.server import engine_args, resolve_device, worker_identity
+from services.worker.settings import WorkerSettings
+
+INFO = EngineInfo(max_model_len=100, vocab_size=1000, max_num_seqs=4)
+
+
+def fields(req: EngineRequest, prefix: str = "request") -> list[str]:
+    return [v.field for v in request_violations(req, INFO, prefix)]
+
+
+def test_valid_request_has_no_violations() -> None:
+    req = EngineRequest("a", (1, 2, 3), Sampling(temperature=0.7, top_p=0.9, top_k=50, max_tokens=97,
+                                                 min_tokens=2, stop_token_ids=(999,), logprobs=20,
+                                                 seed=2**63 - 1))
+    assert fields(req) == []
+    assert fields(EngineRequest("a", (1,), Sampling(top_k=-1))) == []
+
+
+def test_every_bad_field_is_reported_with_its_path() -> None:
+    req = EngineRequest("a", (1, 1000), Sampling(temperature=math.nan, top_p=0.0, max_tokens=99))
+    assert fields(req, "requests[3]") == [
+        "requests[3].prompt_token_ids", "requests[3].sampling.temperature",
+        "requests[3].sampling.top_p", "requests[3].sampling.max_tokens",
+    ]
+
+
+def test_prompt_must_leave_room_for_one_token() -> None:
+    assert fields(EngineRequest("a", (1,) * 99)) == []
+    assert fields(EngineRequest("a", (1,) * 100)) == ["request.prompt_token_ids"]
+    assert fields(EngineRequest("a", (1,) * 50, Sampling(max_tokens=50))) == []
+    assert fields(EngineRequest("a", (1,) * 50, Sampling(max_tokens=51))) == ["request.sampling.max_tokens"]
+
+
+def test_request_id_length_is_bounded() -> None:
+    assert fields(EngineRequest("x" * 257, (1,))) == ["request.request_id"]
+
+
+async def test_core_validate_raises_invalid_argument_and_adapter_lookup(tiny_deepseek_dir: Path) -> None:
+    identity = WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1, adapters=("sql-lora",))
+    core = WorkerCore(FakeEngine(tiny_deepseek_dir), identity)
+    with pytest.raises(InvalidArgument) as err:
+        core.validate(EngineRequest("a", ()))
+    assert err.value.field == "request.prompt_token_ids"
+    assert core.adapter_for("") == "" and core.adapter_for("m") == ""
+    assert core.adapter_for("sql-lora") == "sql-lora"
+    with pytest.raises(NotFound):
+        core.adapter_for("other", "requests[1].model")
+
+
+def test_settings_env_and_engine_args(monkeypatch: pytest.MonkeyPatch, tiny_deepseek_dir: Path) -> None:
+    monkeypatch.setenv("LLMESH_WORKER_MAX_NUM_SEQS", "16")
+    monkeypatch.setenv("LLMESH_WORKER_ZONE", "zone-b")
+    monkeypatch.setenv("LLMESH_WORKER_LORA_MODULES", '["a=/tmp/a"]')
+    settings = WorkerSettings(model=str(tiny_deepseek_dir), enable_prefix_caching=False)
+    assert (settings.max_num_seqs, settings.zone, settings.lora_modules) == (16, "zone-b", ("a=/tmp/a",))
+    args = engine_args(settings, "cpu")
+    assert args["max_num_seqs"] == 16 and args["enable_prefix_caching"] is False
+    assert args["enable_lora"] is True and args["max_loras"] == 1
+    assert args["enforce_eager"] is True and "gpu_memory_utilization" not in args
+    assert "max_model_len" not in args  # None keeps vLLM's default
+    assert engine_args(settings, "cuda")["gpu_memory_utilization"] == 0.9
+    identity = worker_identity(settings, "cpu")
+    assert identity.model == "tiny-deepseek" and identity.adapters == ("a",)
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("auto", "fake") == "cpu"
+    assert resolve_device("npu") == "npu"
+    with pytest.raises(ValueError, match="device"):
+        resolve_device("tpu")
