@@ -424,6 +424,8 @@ class WorkerCore:
                 self._engine_died(f"check_health failed: {type(exc).__name__}")
             if self.engine.errored:
                 self._engine_died("engine is dead")
+            if not self.health.engine_dead:
+                self._export_load()
             if not self.health.engine_dead and canary_interval_s > 0 and time.monotonic() >= next_canary:
                 ok = await self.run_canary(canary_timeout_s)
                 if ok != self.health.canary_ok:
@@ -443,6 +445,12 @@ class WorkerCore:
                 await result
 
     # -- internals -------------------------------------------------------------------------
+    def _export_load(self) -> None:
+        load = self.engine.load()
+        metrics.ENGINE_RUNNING.set(load.running)
+        metrics.ENGINE_WAITING.set(load.waiting)
+        metrics.KV_CACHE_USAGE.set(load.kv_cache_usage)
+
     def _engine_died(self, reason: str) -> None:
         self.health.engine_dead = True
         self.health.last_error = reason
@@ -471,6 +479,8 @@ class WorkerCore:
         metrics.GENERATED_TOKENS.inc(completion)
         if first_token_at is not None:
             metrics.TTFT.observe(ttft_ms / 1000.0)
+        log.debug("request finished: %s prompt=%d completion=%d ttft_ms=%.1f total_ms=%.1f",
+                  reason.value, out.prompt_tokens if out is not None else 0, completion, ttft_ms, total_ms)
         return Final(
             finish_reason=reason,
             stop_token_id=out.stop_token_id if out is not None and reason is FinishReason.STOP else None,

@@ -295,3 +295,16 @@ async def test_watch_load_streams_reports(fake_worker: RunningWorker) -> None:
     assert all(r.max_num_seqs == 64 for r in reports)
     assert any(r.in_flight >= 1 and r.running >= 1 for r in reports)
     await wait_idle(fake_worker)
+
+
+async def test_metrics_count_finished_requests_and_tokens(fake_worker: RunningWorker) -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, labels: dict[str, str] | None = None) -> float:
+        return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+    requests = sample("llmesh_worker_requests_total", {"finish_reason": "length"})
+    tokens = sample("llmesh_worker_generated_tokens_total")
+    await generate(fake_worker.stub, token_request("metrics", [5, 6], max_tokens=4))
+    assert sample("llmesh_worker_requests_total", {"finish_reason": "length"}) == requests + 1
+    assert sample("llmesh_worker_generated_tokens_total") == tokens + 4
