@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from llmesh.procs import check_health, free_port, spawn_tier
+from llmesh.worker.v1 import worker_pb2
 from services.worker.fake_engine import FakeEngine
 from services.worker.server import EXIT_ENGINE_DEAD
 from services.worker.servicer import SERVICE_NAME
@@ -85,8 +86,14 @@ async def test_dead_engine_turns_not_serving_and_exits_non_zero(tiny_deepseek_di
             await asyncio.sleep(0.005)
 
     follower = asyncio.ensure_future(follow())
-    await asyncio.sleep(0.1)
+    in_flight = worker.stub.Generate(worker_pb2.GenerateRequest(
+        request=token_request("doomed", [5, 6], max_tokens=2000)))
+    await in_flight.read()
     worker.engine.kill()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        while await in_flight.read() is not grpc.aio.EOF:
+            pass
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE  # fails fast, never hangs
     assert await asyncio.wait_for(worker.server.task, 10) == EXIT_ENGINE_DEAD
     await asyncio.wait_for(follower, 5)
     assert statuses == ["SERVING", "NOT_SERVING"]
