@@ -124,6 +124,8 @@ def plot(report: Mapping[str, Any], path: Path) -> Path | None:
                 all_c.update(xs)
                 if xs and not all(math.isnan(y) for y in ys):
                     ax.plot(xs, ys, style, marker="o", color=colors.get(name), label=f"{label}{suffix}")
+        if title == "Output throughput":
+            _mark_errors(ax, systems)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(unit)
         ax.set_xlabel("concurrent streams")
@@ -143,6 +145,15 @@ def plot(report: Mapping[str, Any], path: Path) -> Path | None:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _mark_errors(ax: Any, systems: Mapping[str, Any]) -> None:
+    """Label the throughput points of levels that had failed requests (their tokens are not counted)."""
+    for system in systems.values():
+        for s in system.get("levels", []):
+            if s.get("errors"):
+                point = (s["concurrency"], s["output_tokens_per_s"])
+                ax.annotate(f"{s['errors']}/{s['requests']} failed", point, textcoords="offset points", xytext=(-60, 8), fontsize=8, color="tab:red")
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
