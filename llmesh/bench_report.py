@@ -153,7 +153,9 @@ def _mark_errors(ax: Any, systems: Mapping[str, Any]) -> None:
         for s in system.get("levels", []):
             if s.get("errors"):
                 point = (s["concurrency"], s["output_tokens_per_s"])
-                ax.annotate(f"{s['errors']}/{s['requests']} failed", point, textcoords="offset points", xytext=(-60, 8), fontsize=8, color="tab:red")
+                label = f"{s['errors']}/{s['requests']} requests failed"
+                ax.annotate(label, point, textcoords="offset points", xytext=(-110, -4), fontsize=8,
+                            color="tab:red")
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
