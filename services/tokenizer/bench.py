@@ -136,6 +136,59 @@ async def bench(target: str, levels: list[int], seconds: float, words: int, mode
         return results
 
 
+async def bench_core(model_dir: Path, levels: list[int], seconds: float, words: int,
+                     threads: int) -> list[LevelResult]:
+    """The same load on TokenizerCore in this process, without gRPC: the encoder's ceiling."""
+    from services.tokenizer.convert import encode_input_from_proto
+    from services.tokenizer.core import TokenizerCore
+    from services.tokenizer.loader import load_models
+
+    batches: list[int] = []
+    core = TokenizerCore(load_models([str(model_dir)]), threads=threads, on_batch=batches.append)
+    results = []
+    try:
+        for concurrency in levels:
+            rng = random.Random(concurrency)
+            items = [encode_input_from_proto(_request(rng, words, "").input) for _ in range(64)]
+            latencies: list[float] = []
+            batches.clear()
+            deadline = time.perf_counter() + seconds
+
+            async def caller(k: int, items=items, latencies=latencies, deadline=deadline,
+                             concurrency=concurrency) -> None:
+                i = k
+                while time.perf_counter() < deadline:
+                    start = time.perf_counter()
+                    await core.encode(items[i % len(items)])
+                    latencies.append(time.perf_counter() - start)
+                    i += concurrency
+
+            started = time.perf_counter()
+            await asyncio.gather(*(caller(k) for k in range(concurrency)))
+            elapsed = time.perf_counter() - started
+            results.append(LevelResult(
+                concurrency=concurrency, requests=len(latencies), errors=0, seconds=round(elapsed, 2),
+                requests_per_s=round(len(latencies) / elapsed, 1),
+                p50_ms=round(_percentile(latencies, 0.50) * 1000, 2),
+                p99_ms=round(_percentile(latencies, 0.99) * 1000, 2),
+                mean_tokens=0.0,
+                mean_encode_batch=round(statistics.fmean(batches), 2) if batches else None,
+            ))
+    finally:
+        core.close()
+    return results
+
+
+def _print_table(title: str, results: list[LevelResult]) -> None:
+    print(title)
+    print(f"{'callers':>8} {'requests':>9} {'errors':>6} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'tokens':>7} {'batch':>6}")
+    for r in results:
+        batch = "-" if r.mean_encode_batch is None else r.mean_encode_batch
+        print(f"{r.concurrency:>8} {r.requests:>9} {r.errors:>6} {r.requests_per_s:>8} {r.p50_ms:>8} "
+              f"{r.p99_ms:>8} {r.mean_tokens:>7} {batch:>6}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.tokenizer.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--words", type=int, default=120, help="words in the user message")
     parser.add_argument("--encode-threads", type=int, default=2,
                         help="--encode-threads of the started server")
+    parser.add_argument("--core", action="store_true",
+                        help="also run the load on TokenizerCore in-process (no gRPC), for comparison")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
@@ -155,12 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     target = args.target
     metrics_url = ""
-    if not target:
+    model_dir: Path | None = Path(args.model_dir) if args.model_dir else None
+    if model_dir is None and (not target or args.core):
         from llmesh.models import DEFAULT_MODEL, ensure_model
+
+        model_dir = ensure_model(DEFAULT_MODEL, quiet=True)
+    if not target:
         from llmesh.procs import free_port, spawn_tier
         from services.tokenizer.servicer import SERVICE_NAME
 
-        model_dir = Path(args.model_dir) if args.model_dir else ensure_model(DEFAULT_MODEL, quiet=True)
         port, metrics_port = free_port(), free_port()
         target = f"127.0.0.1:{port}"
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -177,15 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proc is not None:
             proc.stop()
+    core_results: list[LevelResult] = []
+    if args.core:
+        assert model_dir is not None
+        core_results = asyncio.run(
+            bench_core(model_dir, levels, args.seconds, args.words, args.encode_threads)
+        )
     if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2))
+        print(json.dumps({"grpc": [asdict(r) for r in results],
+                          "core": [asdict(r) for r in core_results]}, indent=2))
     else:
-        print(f"{'callers':>8} {'requests':>9} {'errors':>6} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'tokens':>7} {'batch':>6}")
-        for r in results:
-            batch = "-" if r.mean_encode_batch is None else r.mean_encode_batch
-            print(f"{r.concurrency:>8} {r.requests:>9} {r.errors:>6} {r.requests_per_s:>8} {r.p50_ms:>8} "
-                  f"{r.p99_ms:>8} {r.mean_tokens:>7} {batch:>6}")
+        _print_table(f"gRPC Encode against {target}", results)
+        if core_results:
+            _print_table("TokenizerCore in-process (no gRPC)", core_results)
     return 0 if all(r.errors == 0 for r in results) else 1
 
 
