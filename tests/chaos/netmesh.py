@@ -4,7 +4,9 @@
 /30 of 10.201.0.0/16 (addresses that exist only on this machine). The zone-a workers
 bind the namespace side; every other tier runs in the root namespace on 127.0.0.1.
 Cutting the zone is ``ip link set <root veth> down``; latency is ``tc netem`` on the
-root veth (traffic towards the zone).
+root veth (traffic towards the zone). The router reaches the zone-a workers through
+:class:`DelayProxy` forwarders (no delay unless asked): where the kernel has no netem,
+their one-way delay stands in for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from llmesh.procs import TierProcess, free_port, spawn_tier
 from llmesh.up import SERVICES
 from services.common.modelinfo import served_model_name
+from tests.chaos.delayproxy import DelayProxy
 from tests.chaos.load import TOKEN_DELAY_MS
 
 
@@ -110,6 +113,7 @@ class NetnsMesh:
     ns: ZoneNamespace
     log_dir: Path
     procs: list[TierProcess] = field(default_factory=list)
+    proxies: list[DelayProxy] = field(default_factory=list)
     gateway_port: int = 0
 
     def _spawn(self, name: str, tier: str, args: list[str], *, host: str = "127.0.0.1", port: int = 0,
@@ -140,8 +144,15 @@ class NetnsMesh:
                                        zone=zone))
         for proc in [tok, post, *workers]:
             proc.wait_serving(timeout=60)
-        worker_list = [{"address": w.address, "zone": w.zone, "device": "cpu", "models": [model],
-                        "worker_id": f"worker-{i}-{w.zone}"} for i, w in enumerate(workers)]
+        worker_list = []
+        for i, w in enumerate(workers):
+            address = w.address
+            if w.argv[0] == "ip":  # inside the namespace: through a forwarder
+                proxy = DelayProxy(w.address).start()
+                self.proxies.append(proxy)
+                address = proxy.address
+            worker_list.append({"address": address, "zone": w.zone, "device": "cpu", "models": [model],
+                                "worker_id": f"worker-{i}-{w.zone}"})
         router = self._spawn("router-0", "router", [
             "--workers", json.dumps(worker_list), "--zones", json.dumps(["zone-a", "zone-b"]),
             "--degraded-zones", "[]", "--tokenizer-target", tok.address])
@@ -160,6 +171,12 @@ class NetnsMesh:
         for proc in reversed(self.procs):
             with contextlib.suppress(Exception):
                 proc.stop(timeout=10)
+        for proxy in self.proxies:
+            proxy.stop()
+
+    def set_proxy_delay(self, seconds: float) -> None:
+        for proxy in self.proxies:
+            proxy.delay_s = seconds
 
     @property
     def gateway_address(self) -> str:
