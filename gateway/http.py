@@ -199,9 +199,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         tenant = core.tenants.authenticate(request.headers.get("Authorization"))
         body = await _body(request)
         call = chat_call(body) if chat else completion_call(body)
-        stream = bool(body.get("stream", False))
-        options = body.get("stream_options") or {}
-        include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        stream = _field(body, "stream", bool, False)
+        options = _field(body, "stream_options", dict, {})
+        include_usage = _field(options, "include_usage", bool, False)
     except LlmeshError as exc:
         return _json_error(exc, body)
     created = int(time.time())

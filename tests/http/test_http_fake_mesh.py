@@ -3,6 +3,7 @@ real mesh whose worker runs the deterministic fake engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
 
+from llmesh import status
 from llmesh.up import Mesh
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from tests.http.conftest import DEMO_KEY, LIMITED_KEY, LIMITED_RPM, client, http_base
@@ -204,6 +206,14 @@ def test_malformed_json_and_unknown_paths_keep_openai_shape(http_fake_mesh: Mesh
     r = httpx.post(f"{base}/chat/completions", content=b"[1, 2]", headers=headers, timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "body"
+    r = httpx.post(f"{base}/chat/completions", json={"messages": HELLO, "stream": "yes"}, headers=headers,
+                   timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "stream"
+    r = httpx.post(f"{base}/completions", json={"prompt": "x", "stream": True, "stream_options": [1]},
+                   headers=headers, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "stream_options"
     r = httpx.post(f"{base}/embeddings", json={"input": "x"}, headers=headers, timeout=30)
     assert r.status_code == 404
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -291,3 +301,37 @@ def test_client_hanging_up_cancels_the_generation(http_fake_mesh: Mesh, stream: 
     assert entry.get("completion_tokens") is None
     # The mesh still serves normally.
     assert client(http_fake_mesh).completions.create(model="", prompt="x", max_tokens=2).choices
+
+
+async def test_concurrent_streams_each_equal_their_non_streamed_answer(http_fake_mesh: Mesh) -> None:
+    async with openai.AsyncOpenAI(base_url=http_base(http_fake_mesh), api_key=DEMO_KEY, max_retries=0) as api:
+
+        async def streamed(prompt: str) -> str:
+            stream = await api.completions.create(model="", prompt=prompt, max_tokens=20, temperature=0,
+                                                  stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+
+        async def unary(prompt: str) -> str:
+            reply = await api.completions.create(model="", prompt=prompt, max_tokens=20, temperature=0)
+            return reply.choices[0].text
+
+        prompts = [f"Story number {i}" for i in range(8)]
+        streams = await asyncio.gather(*(streamed(p) for p in prompts))
+        answers = await asyncio.gather(*(unary(p) for p in prompts))
+    assert streams == answers
+    assert len(set(answers)) > 1, "different prompts, different answers"
+
+
+def test_llmesh_status_lists_the_http_endpoint(http_fake_mesh: Mesh, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmesh status` prints the HTTP base URL of the mesh `llmesh up` started; it serves."""
+    state = tmp_path / "mesh.json"
+    state.write_text(json.dumps({**http_fake_mesh.state(), "pid": 0}))
+    assert status.main(["--state", str(state)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    host, port = http_fake_mesh.config.gateway.host, http_fake_mesh.config.gateway.http_port
+    assert printed["http"] == f"http://{host}:{port}"
+    gateway = next(p for p in printed["processes"] if p["tier"] == "gateway")
+    assert gateway["health"] == "SERVING"
+    api = openai.OpenAI(base_url=printed["http"] + "/v1", api_key=DEMO_KEY, max_retries=0)
+    assert [m.id for m in api.models.list()] == [http_fake_mesh.model_name]
