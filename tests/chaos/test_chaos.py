@@ -128,7 +128,7 @@ async def test_router_restart_loses_nothing(chaos_mesh: Mesh, chaos_channel, cha
     async def routed_by_new() -> bool:
         batch = await asyncio.gather(*(one_stream(stub, p) for p in PROMPTS))
         assert all(o.ok for o in batch), [o.details for o in batch if not o.ok]
-        return await asyncio.to_thread(metric, new, "llmesh_router_routed_requests") > 0
+        return await asyncio.to_thread(metric, new, "llmesh_router_routed_requests_total") > 0
 
     deadline = time.monotonic() + 20.0
     used = False

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from llmesh.v1 import inference_pb2_grpc
-from tests.chaos.load import PROMPTS, LoadLoop, assert_clean, one_stream, references
+from tests.chaos.load import PROMPTS, LoadLoop, Outcome, assert_clean, one_stream, references
 from tests.chaos.netmesh import NetemUnavailable, NetnsMesh, ZoneNamespace, netns_available
 
 pytestmark = [
@@ -65,6 +65,12 @@ async def net_refs(net_channel: grpc.aio.Channel) -> dict[str, str]:
     return await references(net_channel)
 
 
+def _brief(outcomes: list[Outcome], t0: float) -> list[tuple[str, str, int, float, float]]:
+    """zone, worker, resumes, start and end relative to t0: what an assertion message needs."""
+    return [(o.zone, o.worker_id, o.resumed, round(o.started - t0, 2), round(o.ended - t0, 2))
+            for o in outcomes]
+
+
 async def _zone_a_serves(channel: grpc.aio.Channel, timeout: float = 20.0) -> bool:
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     deadline = time.monotonic() + timeout
@@ -91,7 +97,7 @@ async def test_zone_cut_off_and_restored(zone_ns: ZoneNamespace, net_channel, ne
         outcomes = await load.stop()
     assert_clean(outcomes, net_refs)
     hit = [o for o in outcomes if o.started < cut_at < o.ended]
-    assert any(o.resumed >= 1 for o in hit), "the cut hit no zone-a stream mid-way"
+    assert any(o.resumed >= 1 for o in hit), f"the cut hit no zone-a stream mid-way: {_brief(hit, cut_at)}"
     during = [o for o in outcomes if cut_at + 1.5 < o.started and o.ended < restored_at]
     assert during and {o.zone for o in during} == {"zone-b"}
     assert await _zone_a_serves(net_channel), "zone-a was not used again after the restore"
