@@ -19,8 +19,8 @@ from aiohttp import web
 
 from gateway.core import Deadline, GatewayCore
 from gateway.settings import GatewaySettings
-from gateway.types import ChatTurn, Completion, GenerateCall, Sampling, TextDelta
-from services.common.errors import InvalidArgument, LlmeshError, map_exception
+from gateway.types import ChatTurn, Completion, GenerateCall, ModelMeta, Sampling, TextDelta
+from services.common.errors import InvalidArgument, LlmeshError, NotFound, map_exception
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +292,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
 
+def _model_object(m: ModelMeta) -> dict[str, Any]:
+    return {"id": m.id, "object": "model", "created": 0, "owned_by": "llmesh",
+            "max_model_len": m.max_context_length}
+
+
 async def models(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
     try:
@@ -299,11 +304,22 @@ async def models(request: web.Request) -> web.Response:
         metas = await core.list_models(Deadline.after(10))
     except LlmeshError as exc:
         return _json_error(exc)
-    return web.json_response({"object": "list", "data": [
-        {"id": m.id, "object": "model", "created": 0, "owned_by": "llmesh",
-         "max_model_len": m.max_context_length}
-        for m in metas
-    ]})
+    return web.json_response({"object": "list", "data": [_model_object(m) for m in metas]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the client's ``models.retrieve``); 404 for a model not served."""
+    core = request.app[CORE_KEY]
+    name = request.match_info["model"]
+    try:
+        core.tenants.authenticate(request.headers.get("Authorization"))
+        # An empty id would resolve to the default model; OpenAI has no such alias.
+        meta = await core.resolve_model(name, Deadline.after(10)) if name else None
+        if meta is None:
+            raise NotFound("model: an id is required")
+    except LlmeshError as exc:
+        return _json_error(exc)
+    return web.json_response(_model_object(meta))
 
 
 @web.middleware
@@ -335,6 +351,7 @@ def build_app(core: GatewayCore) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # served names may hold a "/"
     return app
 
 

@@ -139,6 +139,13 @@ def test_models_list(http_fake_mesh: Mesh) -> None:
     assert [m.id for m in models] == [http_fake_mesh.model_name]
     assert models[0].object == "model"
     assert models[0].owned_by == "llmesh"
+    one = client(http_fake_mesh).models.retrieve(http_fake_mesh.model_name)
+    assert one.id == http_fake_mesh.model_name
+    with pytest.raises(openai.NotFoundError) as info:
+        client(http_fake_mesh).models.retrieve("no-such-model")
+    assert _error_shape(info.value)["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        client(http_fake_mesh, key="not-a-key").models.retrieve(http_fake_mesh.model_name)
 
 
 # -- errors ------------------------------------------------------------------------------
