@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,11 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
 
 from llmesh import status
+from llmesh.meshconfig import GatewayConfig, MeshConfig, WorkerConfig
+from llmesh.procs import free_port
 from llmesh.up import Mesh
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
-from tests.http.conftest import DEMO_KEY, LIMITED_KEY, LIMITED_RPM, client, http_base
+from tests.http.conftest import DEMO_KEY, LIMITED_KEY, LIMITED_RPM, client, http_base, running_mesh
 
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
 
@@ -342,3 +346,30 @@ def test_llmesh_status_lists_the_http_endpoint(http_fake_mesh: Mesh, tmp_path: P
     assert gateway["health"] == "SERVING"
     api = openai.OpenAI(base_url=printed["http"] + "/v1", api_key=DEMO_KEY, max_retries=0)
     assert [m.id for m in api.models.list()] == [http_fake_mesh.model_name]
+
+
+def test_sigterm_lets_an_http_stream_in_flight_finish(tiny_deepseek_dir: Path, tmp_path: Path) -> None:
+    """Stopping the gateway (as `llmesh down`/Kubernetes do) does not cut a stream short: it
+    ends with its finish chunk and [DONE], and the gateway exits cleanly. Own mesh: it kills it."""
+    config = MeshConfig(
+        model=str(tiny_deepseek_dir),
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
+        workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 5})],
+    )
+    with running_mesh(config, tmp_path) as mesh:
+        gateway = next(p for p in mesh.procs if p.tier == "gateway")
+        body = {"model": "", "prompt": "long", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{http_base(mesh)}/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if not events:
+                    os.kill(gateway.pid, signal.SIGTERM)
+                events.append(line.removeprefix("data: "))
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert not [c for c in chunks if "error" in c]
+        assert gateway.popen.wait(timeout=30) == 0
