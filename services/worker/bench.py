@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default="/tmp/llmesh-worker-bench")
     args = parser.parse_args(argv)
     args.model = args.model.expanduser()
+    # vLLM logs to stdout by default; keep stdout for the JSON result.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if args.cpu_kvcache_space_gb:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.cpu_kvcache_space_gb:g}"
     prompts = make_prompts(args.model, args.requests, args.prompt_len)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from services.common.logs import setup_logging
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"llmesh worker: {exc}", file=sys.stderr)
         return 2
+    # Our logs go to stderr; vLLM's too (it defaults to stdout), before vLLM is imported.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     setup_logging("worker", settings.log_level, settings.log_format)
     setup_tracing(settings.service_name or "llmesh-worker")
     start_metrics_server(settings.metrics_port)
