@@ -307,7 +307,7 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [_model_object(m) for m in metas]})
 
 
-async def model(request: web.Request) -> web.Response:
+async def retrieve_model(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}`` (the client's ``models.retrieve``); 404 for a model not served."""
     core = request.app[CORE_KEY]
     name = request.match_info["model"]
@@ -351,7 +351,7 @@ def build_app(core: GatewayCore) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model:.+}", model)  # served names may hold a "/"
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # served names may hold a "/"
     return app
 
 
