@@ -67,6 +67,7 @@ class StopStringMatcher:
         self._buffer = ""
         self.matched: str | None = None
         self._longest = max((len(s) for s in self.stops), default=0)
+        self._first_chars = frozenset(s[0] for s in self.stops if s)
 
     @property
     def held_chars(self) -> int:
@@ -92,6 +93,8 @@ class StopStringMatcher:
             return buf[:at + len(stop)] if self.include_stop else buf[:at]
         hold = 0
         for k in range(min(len(buf), self._longest - 1), 0, -1):
+            if buf[-k] not in self._first_chars:
+                continue  # cheap pre-check: no stop string starts with this character
             tail = buf[-k:]
             if any(s.startswith(tail) for s in self.stops):
                 hold = k
