@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common.errors import InvalidArgument
@@ -70,6 +71,11 @@ class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
                 yield convert.delta(step.text)
             if step.final is not None:
                 metrics.FINISHES.labels(step.final.finish_reason.value).inc()
+                span = trace.get_current_span()
+                span.set_attribute("llmesh.model", session.model.name)
+                span.set_attribute("llmesh.finish_reason", step.final.finish_reason.value)
+                span.set_attribute("llmesh.completion_tokens", step.final.completion_tokens)
+                span.set_attribute("llmesh.redactions", step.final.redactions)
                 if step.final.matched_stop:
                     metrics.STOP_STRING_HITS.labels(session.model.name).inc()
                 log.debug("stream finished: %s after %d tokens, %d redactions",

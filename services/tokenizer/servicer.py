@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry import trace
 
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer import convert, metrics
@@ -12,6 +13,10 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].ful
 
 
 def _count(item: EncodeInput, result: EncodeResult) -> None:
+    # Sizes only on the RPC span (the interceptor's); never the text.
+    span = trace.get_current_span()
+    span.set_attribute("llmesh.model", result.model)
+    span.set_attribute("llmesh.prompt_tokens", result.count)
     metrics.INPUTS.labels(result.model, "messages" if item.messages else "prompt").inc()
     metrics.TOKENS.labels(result.model).inc(result.count)
     if result.truncated:
