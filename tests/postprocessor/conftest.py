@@ -25,7 +25,7 @@ def tokenizers(pp_model_specs: list[str]) -> dict[str, LoadedTokenizer]:
     return load_models(pp_model_specs)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 async def postprocessor_server(pp_model_specs: list[str]):
     settings = PostprocessorSettings(
         port=0, models=pp_model_specs, max_stop_strings=4, max_stop_chars=32, max_tokens_per_stream=5000,

@@ -25,7 +25,7 @@ def loaded(model_specs: list[str]) -> dict[str, LoadedTokenizer]:
     return load_models(model_specs)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 async def tokenizer_server(model_specs: list[str]):
     settings = TokenizerSettings(
         port=0, models=model_specs, max_messages=8, max_input_chars=10_000, max_batch_inputs=4,
