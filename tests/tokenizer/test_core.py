@@ -199,3 +199,36 @@ async def test_concurrent_encodes_are_micro_batched_and_correct(loaded):
         assert core.batcher.batches < 48  # requests that queued up were encoded together
     finally:
         core.close()
+
+
+async def test_model_without_chat_template_accepts_prompts_only(loaded):
+    bare = dataclasses.replace(loaded[TINY], chat_template=None)
+    core = TokenizerCore({"bare": bare})
+    try:
+        with pytest.raises(InvalidArgument) as err:
+            core.prepare(EncodeInput(messages=_messages([("user", "u")])), "input")
+        assert err.value.field == "input.messages"
+        assert (await core.encode(EncodeInput(prompt="plain text"))).count > 0
+    finally:
+        core.close()
+
+
+def test_loader_reads_templates_and_special_tokens_from_tokenizer_config(tmp_path, loaded):
+    import json
+    import shutil
+
+    from services.tokenizer.loader import ModelLoadError, load_tokenizer
+
+    source = loaded[TINY].path
+    shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<｜begin▁of▁sentence｜>", "lstrip": False},
+        "eos_token": "<｜end▁of▁sentence｜>",
+        "chat_template": "{{ bos_token }}{{ messages[0]['content'] }}",
+    }))
+    model = load_tokenizer("copy", tmp_path)
+    assert model.chat_template == "{{ bos_token }}{{ messages[0]['content'] }}"
+    assert model.special_tokens["bos_token"] == "<｜begin▁of▁sentence｜>"
+    assert model.eos_token_ids == (1,)  # from the eos_token (no generation_config.json here)
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json"):
+        load_tokenizer("missing", tmp_path / "nowhere")
