@@ -9,6 +9,7 @@ encodes does not scale).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -24,7 +25,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.tokenizer.loader import LoadedTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -219,13 +220,16 @@ class EncodeBatcher:
     def _finished_in_thread(self, loop: asyncio.AbstractEventLoop,
                             batch: list[tuple[str, asyncio.Future[list[int]]]],
                             done: Future[list[list[int]]]) -> None:
-        # Runs on the encoder thread: hand the results back to the event loop.
-        loop.call_soon_threadsafe(self._finish, batch, done)
+        # Runs on the encoder thread: hand the results back to the event loop (which may
+        # already be closed when the server shuts down with work in flight).
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._finish, batch, done)
 
     def _finish(self, batch: list[tuple[str, asyncio.Future[list[int]]]],
                 done: Future[list[list[int]]]) -> None:
         self._inflight -= 1
-        error = done.exception()
+        cancelled = done.cancelled()
+        error = Unavailable("the tokenizer is shutting down") if cancelled else done.exception()
         results = done.result() if error is None else None
         for i, (_, future) in enumerate(batch):
             if future.done():
