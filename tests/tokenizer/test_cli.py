@@ -43,3 +43,20 @@ def test_process_serves_and_stops_cleanly(tiny_deepseek_dir, tmp_path):
     finally:
         code = proc.stop()
     assert code == 0, (tmp_path / "tokenizer.log").read_text()
+
+
+def test_cpu_tiers_import_neither_torch_nor_transformers():
+    """Kunpeng CPU hosts run the tokenizer and postprocessor without torch or transformers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import services.tokenizer.cli, services.tokenizer.server, services.tokenizer.bench\n"
+        "import services.postprocessor.cli, services.postprocessor.server\n"
+        "from services.tokenizer.settings import default_model_specs\n"
+        "default_model_specs()\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
