@@ -15,7 +15,7 @@ from services.postprocessor.core import (
     StopStringMatcher,
     UpstreamFinish,
 )
-from services.postprocessor.sensitive import FilterMode
+from services.postprocessor.sensitive import FilterMode, SensitiveDataFilter
 from tests.postprocessor.conftest import SMOL, TINY
 
 
@@ -190,3 +190,45 @@ def test_validation_names_fields(core):
     with pytest.raises(InvalidArgument) as err:
         session.feed([5] * 10_001)
     assert err.value.field == "tokens.token_ids"
+
+
+_PIECES = ["Hello", " world", ", ", "你好", "😀", " card 4111 1111 1111 1111", " mail a.b@example.com",
+           " STOP", "ST", "OP", "\n\n", " +44 20 7946 0958", " done."]
+
+
+def _one_shot(text, stops, include, mode):
+    """The reference: stop strings and the filter applied to the whole decoded text at once."""
+    found = [(text.find(stop), -len(stop), stop) for stop in stops if stop in text]
+    matched = ""
+    if found:
+        at, _, matched = min(found)
+        text = text[:at + len(matched)] if include else text[:at]
+    f = SensitiveDataFilter(mode)
+    out = f.feed(text, final=True)
+    reason = FinishReason.CONTENT_FILTER if f.blocked else FinishReason.STOP
+    return out, reason, matched
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=14),
+    chunk=st.lists(st.integers(1, 6), min_size=1, max_size=30),
+    model=st.sampled_from([SMOL, TINY]),
+    mode=st.sampled_from(list(FilterMode)),
+    include=st.booleans(),
+)
+def test_streamed_pipeline_equals_one_shot_on_the_decoded_text(tokenizers, pieces, chunk, model, mode,
+                                                                include):
+    """Token by token, the session releases what stops + filter give on the whole text."""
+    core = PostprocessCore(tokenizers)
+    tok = tokenizers[model].tokenizer
+    ids = tok.encode("".join(pieces), add_special_tokens=False).ids
+    stops = ("STOP", "\n\n")
+    config = SessionConfig(model=model, stop=stops, include_stop_str_in_output=include, filter_mode=mode)
+    chunks = (chunk * (len(ids) // len(chunk) + 1))[:len(ids)]
+    streamed, final, _ = _run(core, config, ids, chunks)
+    expected, reason, matched = _one_shot(tok.decode(ids), stops, include, mode)
+    assert streamed == expected
+    assert final.finish_reason is reason
+    if reason is FinishReason.STOP:
+        assert final.matched_stop == matched
