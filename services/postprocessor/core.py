@@ -175,7 +175,7 @@ class PostprocessSession:
         self.on_redaction = on_redaction
         self.tokens = 0
         self.final: FinalResult | None = None
-        self._redactions_reported = 0
+        self._reported: dict[str, int] = {}
 
     @property
     def redactions(self) -> int:
@@ -184,17 +184,10 @@ class PostprocessSession:
     def _report_redactions(self) -> None:
         if self.on_redaction is None:
             return
-        total = self.redactions
-        if total == self._redactions_reported:
-            return
-        # Report per kind, only the new ones.
-        seen = 0
         for kind, count in self.filter.redactions.items():
-            for _ in range(count):
-                seen += 1
-                if seen > self._redactions_reported:
-                    self.on_redaction(kind)
-        self._redactions_reported = total
+            for _ in range(count - self._reported.get(kind, 0)):
+                self.on_redaction(kind)
+            self._reported[kind] = count
 
     def _finish(self, reason: FinishReason) -> FinalResult:
         self.final = FinalResult(

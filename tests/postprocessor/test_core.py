@@ -232,3 +232,13 @@ def test_streamed_pipeline_equals_one_shot_on_the_decoded_text(tokenizers, piece
     assert final.finish_reason is reason
     if reason is FinishReason.STOP:
         assert final.matched_stop == matched
+
+
+def test_redaction_callback_reports_each_kind_once(tokenizers):
+    reported: list[str] = []
+    core = PostprocessCore(tokenizers, on_redaction=reported.append)
+    text = "a 4111 1111 1111 1111 b x@example.com c 5500 0055 5555 5559 d +44 20 7946 0958 e."
+    ids = tokenizers[SMOL].tokenizer.encode(text, add_special_tokens=False).ids
+    _, final, _ = _run(core, SessionConfig(model=SMOL), ids)
+    assert sorted(reported) == ["card", "card", "email", "phone"]
+    assert final.redactions == 4
