@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -348,7 +349,8 @@ class WorkerCore:
         base = min(info.vocab_size - 1, 100)
         prompt = tuple(range(base, base + 4)) if base + 4 <= info.vocab_size else (base,)
         return EngineRequest(
-            request_id=f"canary-{self._canary_seq}",
+            # Callers cannot guess it, so no client request can collide with (or abort) it.
+            request_id=f"llmesh-canary-{uuid.uuid4().hex}-{self._canary_seq}",
             prompt_token_ids=prompt,
             sampling=Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs),
         )
