@@ -8,6 +8,7 @@ protocol (``workerclient.GrpcWorkerClient`` in production).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -140,6 +141,8 @@ class Router:
         self._dispatchers: dict[str, BatchDispatcher] = {}
         self._monitors: dict[str, WorkerMonitor] = {}
         self._active: dict[str, _Active] = {}
+        self.resume_log: collections.deque[tuple[str, str, int]] = collections.deque(maxlen=256)
+        """Recent re-submissions: (request id, worker id, tokens already produced)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
 
@@ -425,6 +428,10 @@ class Router:
                 queue_ms += (time.monotonic() - waited) * 1000.0
                 worker = attempt.worker
                 metrics.ROUTED.labels(worker.zone, str(self.ladder.is_degraded(worker.zone)).lower()).inc()
+                if failures:
+                    self.resume_log.append((request_id, worker.worker_id, len(produced)))
+                    log.info("request %s: attempt %d on worker %s from token %d",
+                             request_id, failures + 1, worker.worker_id, len(produced))
                 stream = self._dispatchers[worker.address].submit(attempt_request, deadline)
                 active.stream = stream
                 got_tokens = False

@@ -31,15 +31,17 @@ def spawn_fake_worker(
     return proc
 
 
-def spawn_real_worker(name: str, zone: str, cpu: str) -> TierProcess:
-    """A real vLLM CPU worker with the tiny DeepSeek model, pinned to one core."""
-    model = ensure_model("tiny-deepseek", quiet=True)
+def spawn_real_worker(
+    name: str, zone: str, cpu: str, *, model_name: str = "tiny-deepseek", dtype: str = "auto",
+) -> TierProcess:
+    """A real vLLM CPU worker (tiny DeepSeek by default), pinned to one core."""
+    model = ensure_model(model_name, quiet=True)
     port = free_port()
     return spawn_tier(
         name, "worker",
         ["--model", str(model), "--zone", zone, "--worker-id", name, "--port", str(port),
          "--enforce-eager", "--cpu-kvcache-space-gb", "1", "--cpu-omp-threads-bind", cpu,
-         "--max-num-seqs", "8", "--max-model-len", "1024", "--drain-seconds", "0",
+         "--max-num-seqs", "8", "--max-model-len", "1024", "--drain-seconds", "0", "--dtype", dtype,
          "--log-format", "text"],
         address=f"127.0.0.1:{port}", service=WORKER_SERVICE, log_dir=LOG_DIR, zone=zone,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu},

@@ -1,0 +1,114 @@
+"""Zone partition through a network namespace: one zone's worker behind a veth pair.
+
+Needs root and ``ip``; uses 10.200.77.0/30, which exists only inside this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from llmesh.procs import TierProcess
+from tests.router.helpers import start_router, wait_for
+from tests.router.procs import spawn_fake_worker
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.chaos,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"
+    ),
+]
+
+HOST_IP, NS_IP = "10.200.77.1", "10.200.77.2"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def partitioned_zone() -> Iterator[tuple[str, TierProcess]]:
+    """A zone-a worker inside its own netns; yields (host-side link name, worker)."""
+    tag = uuid.uuid4().hex[:6]
+    ns, host_link, ns_link = f"llmr-{tag}", f"vrh{tag}", f"vrn{tag}"
+    proc: TierProcess | None = None
+    try:
+        ip("netns", "add", ns)
+        ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
+        ip("link", "set", ns_link, "netns", ns)
+        ip("addr", "add", f"{HOST_IP}/30", "dev", host_link)
+        ip("link", "set", host_link, "up")
+        ip("-n", ns, "addr", "add", f"{NS_IP}/30", "dev", ns_link)
+        ip("-n", ns, "link", "set", ns_link, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        proc = spawn_fake_worker("ns-a", "zone-a", delay_ms=10, netns=ns, host=NS_IP)
+        proc.wait_serving(60)
+        yield host_link, proc
+    finally:
+        if proc is not None:
+            proc.kill()
+        subprocess.run(["ip", "link", "del", host_link], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def zone_b_worker() -> Iterator[TierProcess]:
+    proc = spawn_fake_worker("host-b", "zone-b", delay_ms=10)
+    try:
+        proc.wait_serving(60)
+        yield proc
+    finally:
+        proc.kill()
+
+
+async def test_link_down_moves_traffic_to_next_zone_without_failures(
+    partitioned_zone: tuple[str, TierProcess], zone_b_worker: TierProcess
+) -> None:
+    link, a = partitioned_zone
+    rut = await start_router([(a.address, "zone-a"), (zone_b_worker.address, "zone-b")])
+    served: list[tuple[float, str, int]] = []  # (finish time, zone, resumed)
+    failures: list[Exception] = []
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                tokens, final = await rut.generate([i, n, 3], 20, timeout=30)
+                assert len(tokens) == 20
+                served.append((time.monotonic(), final.served_by.zone, final.served_by.resumed))
+            except Exception as exc:  # every failure counts
+                failures.append(exc)
+
+    clients = [asyncio.ensure_future(client(i)) for i in range(4)]
+    try:
+        await asyncio.sleep(1.0)
+        assert {zone for _, zone, _ in served} == {"zone-a"}
+        down_at = time.monotonic()
+        ip("link", "set", link, "down")
+        await wait_for(lambda: any(t > down_at and z == "zone-b" for t, z, _ in served), timeout=10)
+        await asyncio.sleep(1.0)
+        # Once moved, everything finishing now is served by zone-b.
+        settled = time.monotonic() - 0.5
+        assert all(z == "zone-b" for t, z, _ in served if t > settled)
+        up_at = time.monotonic()
+        ip("link", "set", link, "up")
+        await wait_for(lambda: any(t > up_at and z == "zone-a" for t, z, _ in served), timeout=15)
+        back = next(t for t, z, _ in served if t > up_at and z == "zone-a") - up_at
+        moved = next(t for t, z, _ in served if t > down_at and z == "zone-b") - down_at
+        print(f"first zone-b answer {moved:.2f}s after link down; zone-a again {back:.2f}s after link up; "
+              f"{len(served)} requests, {sum(1 for *_, r in served if r)} resumed")
+    finally:
+        stop.set()
+        await asyncio.gather(*clients, return_exceptions=True)
+        await rut.close()
+    assert failures == []
