@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from llmesh.procs import check_health, free_port, spawn_tier
 from llmesh.worker.v1 import worker_pb2
@@ -72,18 +73,14 @@ async def test_dead_engine_turns_not_serving_and_exits_non_zero(tiny_deepseek_di
     worker = await start_running_worker(tiny_deepseek_dir, canary_interval_s=30.0)
     assert worker.engine is not None and worker.server.task is not None
     statuses: list[str] = []
+    watch = worker.health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
 
     async def follow() -> None:
-        # Poll readiness until the server goes away (health Watch through the shared
-        # interceptor is broken, see the report), recording every distinct status.
-        while True:
-            try:
-                status = await worker.readiness()
-            except grpc.aio.AioRpcError:
-                return
-            if not statuses or statuses[-1] != status:
-                statuses.append(status)
-            await asyncio.sleep(0.005)
+        try:
+            async for reply in watch:
+                statuses.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        except grpc.aio.AioRpcError:
+            pass  # the server went away after reporting NOT_SERVING
 
     follower = asyncio.ensure_future(follow())
     in_flight = worker.stub.Generate(worker_pb2.GenerateRequest(
