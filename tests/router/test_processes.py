@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -107,3 +108,59 @@ async def test_sigstop_while_idle_is_noticed(two_zone_workers: list[TierProcess]
         await wait_for(lambda: rut.router.registry.workers[a.address].healthy, timeout=10)
     finally:
         await rut.close()
+
+
+def test_llmesh_router_process_with_workers_file(tmp_path, two_zone_workers: list[TierProcess]) -> None:  # type: ignore[no-untyped-def]
+    """`llmesh router --workers-file` serves, lists workers, generates, and stops cleanly."""
+    import grpc
+
+    from llmesh.procs import free_port, spawn_tier
+    from llmesh.router.v1 import router_pb2, router_pb2_grpc
+    from tests.router.procs import LOG_DIR
+
+    a, b = two_zone_workers
+    workers_file = tmp_path / "workers.yaml"
+    workers_file.write_text(
+        f"workers:\n  - address: {a.address}\n    zone: zone-a\n"
+        f"  - address: {b.address}\n    zone: zone-b\n    device: npu\n"
+    )
+    port = free_port()
+    proc = spawn_tier(
+        "router-cli", "router", ["--port", str(port), "--workers-file", str(workers_file),
+                                 "--log-format", "text"],
+        address=f"127.0.0.1:{port}", service="llmesh.router.v1.RouterService", log_dir=LOG_DIR,
+        env={"LLMESH_ROUTER_ZONES": '["zone-b", "zone-a"]'},
+    )
+    try:
+        proc.wait_serving(30)
+        with grpc.insecure_channel(proc.address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            deadline = time.monotonic() + 10
+            while True:
+                reply = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
+                if all(w.health == "SERVING" for w in reply.workers) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert list(reply.zone_ladder) == ["zone-b", "zone-a"]  # from the environment
+            by_zone = {w.zone: w for w in reply.workers}
+            assert by_zone["zone-b"].device == "npu" and by_zone["zone-a"].pid == a.pid
+            responses = list(stub.Generate(request([1, 2, 3], 4), timeout=10))
+            finals = [r.final for r in responses if r.HasField("final")]
+            assert finals[0].served_by.zone == "zone-b"
+        assert proc.stop(10) == 0
+    finally:
+        proc.kill()
+
+
+def test_llmesh_router_rejects_bad_settings(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    bad = tmp_path / "workers.json"
+    bad.write_text('[{"zone": "zone-a"}]')  # no address
+    run = subprocess.run([sys.executable, "-m", "llmesh.cli", "router", "--workers-file", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "address" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "llmesh.cli", "router", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "--batch-max-wait-ms" in run.stdout and "LLMESH_ROUTER_ZONES" in run.stdout
