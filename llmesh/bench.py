@@ -165,6 +165,8 @@ def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None =
 
 def _llmesh_driver(opts: BenchOptions, grpc_target: str, http_url: str) -> Any:
     if opts.protocol == "grpc":
+        if not grpc_target:
+            raise SystemExit("llmesh bench: --llmesh-protocol grpc needs --target HOST:PORT")
         return LlmeshGrpcDriver(grpc_target, opts.model_name)
     if not http_url:
         raise SystemExit("llmesh bench: the llmesh mesh has no HTTP listener; pass --target-http "

@@ -161,6 +161,12 @@ def test_bad_arguments_exit_with_usage_error(capsys: pytest.CaptureFixture[str])
     assert "--concurrency" in capsys.readouterr().err
 
 
+def test_grpc_protocol_needs_a_grpc_target(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="needs --target"):
+        bench.main(["--target-http", "http://127.0.0.1:9", "--llmesh-protocol", "grpc", "--skip-reference",
+                    "--skip-overhead", "--skip-batching", "--out", str(tmp_path), "--no-progress"])
+
+
 def test_help_documents_the_phases(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         bench.main(["--help"])
