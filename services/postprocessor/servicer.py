@@ -29,8 +29,24 @@ SERVICE_NAME = postprocess_pb2.DESCRIPTOR.services_by_name["PostprocessService"]
 
 
 class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
-    def __init__(self, core: PostprocessCore) -> None:
+    def __init__(self, core: PostprocessCore, *, final_drain_seconds: float = 30.0) -> None:
         self.core = core
+        self.final_drain_seconds = final_drain_seconds
+
+    async def _drain(self, requests: AsyncIterator[postprocess_pb2.ProcessRequest]) -> None:
+        """After an early ProcessFinal, ignore what the caller still sends until it closes.
+
+        The caller may have written more tokens before it saw the final. Ending the call
+        under its pending writes makes them fail, which grpc.aio can surface on the
+        caller as INTERNAL instead of a clean end; so wait (bounded) for its half-close
+        or cancellation.
+        """
+        try:
+            async with asyncio.timeout(self.final_drain_seconds):
+                async for _ in requests:
+                    pass
+        except TimeoutError:
+            log.debug("caller kept its stream open %.0fs after the final; closing", self.final_drain_seconds)
 
     async def Process(
         self,
@@ -82,6 +98,8 @@ class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
                           step.final.finish_reason.value, step.final.completion_tokens,
                           step.final.redactions)
                 yield convert.final(step.final)
+                if kind != "end":
+                    await self._drain(request_iterator)
                 return
         if session is None:
             raise InvalidArgument("config", "the stream closed before its ProcessConfig")

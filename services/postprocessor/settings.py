@@ -35,6 +35,9 @@ class PostprocessorSettings(ServerSettings):
     """Longest stop string, in characters."""
     max_tokens_per_stream: int = 131_072
     """Most tokens one stream may send (a bound on per-stream memory)."""
+    final_drain_seconds: float = 30.0
+    """After a stop string or a blocked match sent the final message early, how long to keep
+    reading (and ignoring) the caller's messages until it closes its side."""
 
     @field_validator("default_filter_mode")
     @classmethod

@@ -29,7 +29,7 @@ def tokenizers(pp_model_specs: list[str]) -> dict[str, LoadedTokenizer]:
 async def postprocessor_server(pp_model_specs: list[str]):
     settings = PostprocessorSettings(
         port=0, models=pp_model_specs, max_stop_strings=4, max_stop_chars=32, max_tokens_per_stream=5000,
-        drain_seconds=0,
+        drain_seconds=0, final_drain_seconds=2.0,
     )
     async with running_server(lambda: build_server(settings), warm_up, tier="postprocessor") as server:
         yield server

@@ -102,7 +102,9 @@ async def test_stop_string_sends_final_at_once(stub, tokenizers):
     assert final.finish_reason == pb.OUTPUT_FINISH_REASON_STOP
     assert final.matched_stop == "\n\nUser:"
     assert 0 < final.completion_tokens < len(ids)
-    # The server ended the call right after the final: the caller now stops the engine.
+    # The caller stops the engine; tokens it had already sent are ignored; it closes.
+    await call.write(tokens(ids))
+    await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     assert await call.code() is grpc.StatusCode.OK
 
@@ -200,3 +202,18 @@ async def test_long_replay_in_one_message(stub, tokenizers):
     deltas, finals = await _process(stub, [config(model=TINY), tokens(ids), end()])
     assert "".join(deltas) == text == tokenizers[TINY].tokenizer.decode(ids)
     assert finals[0].completion_tokens == len(ids)
+
+
+async def test_caller_that_never_closes_is_closed_after_the_drain_period(stub, tokenizers):
+    ids = _encode(tokenizers, SMOL, "text STOP more")
+    call = stub.Process(timeout=20)
+    await call.write(config(model=SMOL, stop=["STOP"]))
+    await call.write(tokens(ids))
+    replies = []
+    while True:
+        reply = await asyncio.wait_for(call.read(), 10)  # the server ends the call itself
+        if reply is grpc.aio.EOF:
+            break
+        replies.append(reply)
+    assert replies[-1].final.matched_stop == "STOP"
+    assert await call.code() is grpc.StatusCode.OK
