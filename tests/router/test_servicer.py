@@ -342,3 +342,53 @@ def _grpc_connect(address: str):  # type: ignore[no-untyped-def]
     from services.router.workerclient import GrpcWorkerClient
 
     return GrpcWorkerClient(address)
+
+
+async def test_expected_checksum_comes_from_the_tokenizer_tier() -> None:
+    from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+    class Tokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+        async def ListModels(self, request, context):  # type: ignore[no-untyped-def]
+            return tokenizer_pb2.ListModelsResponse(models=[
+                tokenizer_pb2.TokenizerModel(model="fake-model", tokenizer_checksum="sha256:tok")])
+
+    server = grpc.aio.server()
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(Tokenizer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    workers = await fakes("zone-a", "zone-b")
+    workers[1].worker.checksum = "sha256:tok"  # zone-a keeps the default, which differs
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], healthy=1,
+                             tokenizer_target=f"127.0.0.1:{port}")
+    try:
+        await wait_for(lambda: rut.router.registry.workers[workers[0].address].refused)
+        status = await rut.status()
+        assert status[workers[0].address].health == "REFUSED"
+        _, final = await rut.generate([1], 2)
+        assert final.served_by.zone == "zone-b"
+    finally:
+        await stop_all(rut, workers)
+        await server.stop(0)
+
+
+async def test_metrics_count_retries_resumes_and_batches() -> None:
+    from prometheus_client import REGISTRY
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+    before = (value("llmesh_router_retries_total"), value("llmesh_router_batch_size_count"),
+              value("llmesh_router_routed_requests_total", {"zone": "zone-b", "degraded": "false"}))
+    workers = await fakes("zone-a", "zone-b")
+    workers[0].worker.fail_before_first = 1
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], breaker_base_backoff_s=30)
+    try:
+        await rut.generate([5, 6], 2)
+        assert value("llmesh_router_retries_total") == before[0] + 1
+        assert value("llmesh_router_batch_size_count") >= before[1] + 2
+        assert value("llmesh_router_routed_requests_total",
+                     {"zone": "zone-b", "degraded": "false"}) == before[2] + 1
+        assert value("llmesh_router_worker_circuit_state", {"worker": "zone-a-0", "zone": "zone-a"}) == 1
+        assert value("llmesh_router_worker_healthy", {"worker": "zone-b-1", "zone": "zone-b"}) == 1
+    finally:
+        await stop_all(rut, workers)
