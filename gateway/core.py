@@ -366,6 +366,13 @@ class _Stream:
         self.post_failovers = 0
         self._reader: asyncio.Future[None] | None = None
 
+    @staticmethod
+    def _other(current: int, replicas: int) -> int:
+        """The next replica after ``current``, per request: a failover never lands on the
+        replica that just failed while another exists (a shared round-robin counter could
+        hand concurrent failovers the dead one again)."""
+        return (current + 1) % max(1, replicas)
+
     # postprocessor side ---------------------------------------------------------
 
     async def _open_session(self) -> None:
@@ -385,7 +392,7 @@ class _Stream:
                 attempts += 1
                 if attempts > max(self.core.postprocessor.replicas, 1) + self.core.config.max_resumes:
                     raise
-                self.post_replica = self.core.next_postprocessor()
+                self.post_replica = self._other(self.post_replica, self.core.postprocessor.replicas)
                 await asyncio.sleep(min(0.05 * attempts, 0.5))
                 continue
             self.session = session
@@ -460,7 +467,7 @@ class _Stream:
                 log.warning("router replica %d failed (%s); %s through another replica",
                             self.router_replica, exc.message,
                             "resuming" if got_tokens_this_attempt or self.tokens else "retrying")
-                self.router_replica = self.core.next_router()
+                self.router_replica = self._other(self.router_replica, self.core.router.replicas)
                 await asyncio.sleep(min(0.05 * failures, 0.5))
             except LlmeshError as exc:
                 await self.events.put(("error", exc, 0))
@@ -490,7 +497,7 @@ class _Stream:
                     log.warning("postprocessor replica %d failed; replaying %d tokens into another",
                                 self.post_replica, len(self.tokens))
                     async with self.lock:
-                        self.post_replica = self.core.next_postprocessor()
+                        self.post_replica = self._other(self.post_replica, self.core.postprocessor.replicas)
                         await self._open_session()
                     continue
                 if isinstance(payload, PostDelta):
