@@ -427,6 +427,13 @@ class Router:
                 )
                 queue_ms += (time.monotonic() - waited) * 1000.0
                 worker = attempt.worker
+                if active.aborted:  # aborted while it waited for a worker
+                    self._release(attempt)
+                    yield self._final(
+                        common_pb2.TokenFinal(finish_reason=FINISH_ABORT), None, prompt,
+                        produced, resumes, retries, start, first_token_at, queue_ms,
+                    )
+                    return
                 metrics.ROUTED.labels(worker.zone, str(self.ladder.is_degraded(worker.zone)).lower()).inc()
                 if failures:
                     self.resume_log.append((request_id, worker.worker_id, len(produced)))

@@ -392,3 +392,20 @@ async def test_metrics_count_retries_resumes_and_batches() -> None:
         assert value("llmesh_router_worker_healthy", {"worker": "zone-b-1", "zone": "zone-b"}) == 1
     finally:
         await stop_all(rut, workers)
+
+
+async def test_abort_while_queued_finishes_without_running() -> None:
+    workers = await fakes("zone-a", token_delay_s=0.05)
+    rut = await start_router([(workers[0].address, "zone-a")], worker_capacity=1)
+    try:
+        running = asyncio.ensure_future(rut.generate([1], 10, request_id="first"))
+        await wait_for(lambda: "first" in workers[0].worker.running)
+        queued = asyncio.ensure_future(rut.generate([2], 10, request_id="queued"))
+        await wait_for(lambda: rut.router.admission.depth() == 1)
+        await rut.stub.Abort(router_pb2.AbortRequest(request_id="queued"))
+        await running
+        tokens, final = await asyncio.wait_for(queued, 5)
+        assert tokens == [] and final.final.finish_reason == 3  # ABORT
+        assert all(r.request_id != "queued" for r in workers[0].worker.requests)
+    finally:
+        await stop_all(rut, workers)
