@@ -4,7 +4,7 @@ A YAML file; every key is optional::
 
     model: smollm2-135m-instruct      # a name `llmesh model` knows, or a model directory
     served_model_name: ""             # id clients use (default: the directory name)
-    gateway: {host: 127.0.0.1, port: 50051, http_port: -1, default_filter_mode: off,
+    gateway: {host: 127.0.0.1, port: 50051, http_port: 8080, default_filter_mode: off,
               audit_log: "", settings: {...}}          # settings: any GatewaySettings field
     tokenizer: {replicas: 1, settings: {...}}
     postprocessor: {replicas: 1, settings: {...}}
@@ -43,8 +43,9 @@ class TierConfig(_Strict):
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = 50051
-    http_port: int = -1
-    """OpenAI-compatible HTTP port; -1 disables it."""
+    http_port: int = 8080
+    """OpenAI-compatible HTTP port (on ``host``); -1 disables it. Test meshes that run side by
+    side must set -1 or a free port, or they all compete for 8080."""
     default_filter_mode: str = "off"
     audit_log: str = ""
     settings: dict[str, Any] = Field(default_factory=dict)

@@ -24,7 +24,7 @@ def chaos_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory
     worker_settings = {"fake_token_delay_ms": TOKEN_DELAY_MS, "fake_max_running": 32}
     config = MeshConfig(
         model=str(tiny_deepseek_dir),
-        gateway=GatewayConfig(port=free_port(), settings={"drain_seconds": 0}),
+        gateway=GatewayConfig(port=free_port(), http_port=-1, settings={"drain_seconds": 0}),
         router=RouterConfig(replicas=2, zones=["zone-a", "zone-b"]),
         postprocessor=TierConfig(replicas=2),
         workers=[WorkerConfig(zone=zone, engine="fake", settings=worker_settings)

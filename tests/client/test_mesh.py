@@ -63,7 +63,7 @@ def mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     base = tmp_path_factory.mktemp("client-mesh")
     config = MeshConfig(
         model=str(tiny_deepseek_dir),
-        gateway=GatewayConfig(port=free_port(), settings={"drain_seconds": 0}),
+        gateway=GatewayConfig(port=free_port(), http_port=-1, settings={"drain_seconds": 0}),
         router=RouterConfig(zones=["zone-a"]),
         workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 5})],
         tls=TlsConfig(enabled=True, mutual=True, certs_dir=str(base / "certs")),

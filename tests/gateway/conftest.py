@@ -1,14 +1,13 @@
 """Meshes for gateway tests, started with the same code as ``llmesh up``.
 
 ``fake_mesh``: every tier real, workers on the deterministic fake engine (fast; for
-validation, auth and orchestration). ``engine_mesh``: the same with one real vLLM CPU
-worker on SmolLM2 (for answers, cancellation and deadlines through the real engine).
+validation, auth and orchestration). ``engine_mesh`` (in tests/conftest.py, shared with
+the HTTP tests): the same with one real vLLM CPU worker on SmolLM2.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,7 +46,8 @@ def gateway_address(mesh: Mesh) -> str:
 def fake_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     config = MeshConfig(
         model=str(tiny_deepseek_dir),
-        gateway={"port": free_port(), "audit_log": str(tmp_path_factory.mktemp("audit") / "audit.jsonl"),
+        gateway={"port": free_port(), "http_port": -1,
+                 "audit_log": str(tmp_path_factory.mktemp("audit") / "audit.jsonl"),
                  "settings": {"drain_seconds": 0}},
         router=RouterConfig(zones=["zone-a", "zone-b"]),
         tokenizer=TierConfig(),
@@ -62,20 +62,6 @@ def fake_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         ],
     )
     with running_mesh(config, tmp_path_factory.mktemp("fake-mesh")) as mesh:
-        yield mesh
-
-
-@pytest.fixture(scope="session")
-def engine_mesh(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    config = MeshConfig(
-        model=str(smollm2_dir),
-        gateway={"port": free_port(), "settings": {"drain_seconds": 0}},
-        workers=[WorkerConfig(zone="zone-a", engine="vllm", cpu_omp_threads_bind="0-1",
-                              settings={"max_num_seqs": 16, "max_model_len": 2048,
-                                        "canary_interval_s": 30})],
-    )
-    with running_mesh(config, tmp_path_factory.mktemp("engine-mesh")) as mesh:
         yield mesh
 
 

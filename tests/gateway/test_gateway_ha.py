@@ -33,7 +33,7 @@ MAX_TOKENS = 120
 def ha_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     config = MeshConfig(
         model=str(tiny_deepseek_dir),
-        gateway={"port": free_port(), "settings": {"drain_seconds": 0}},
+        gateway={"port": free_port(), "http_port": -1, "settings": {"drain_seconds": 0}},
         router=RouterConfig(replicas=2, zones=["zone-a", "zone-b"]),
         postprocessor=TierConfig(replicas=2),
         workers=[

@@ -70,7 +70,7 @@ def traced_mesh(receiver, tiny_deepseek_dir: Path, tmp_path_factory) -> Iterator
     _, port = receiver
     config = MeshConfig(
         model=str(tiny_deepseek_dir),
-        gateway={"port": free_port(), "settings": {"drain_seconds": 0}},
+        gateway={"port": free_port(), "http_port": -1, "settings": {"drain_seconds": 0}},
         router=RouterConfig(zones=["zone-a"]),
         workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 2})],
         otel=OtelConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}"),

@@ -23,7 +23,8 @@ def settings(workers: Sequence[tuple[str, str]], **overrides: Any) -> RouterSett
         "zones": ["zone-a", "zone-b", "kunpeng"],
         "degraded_zones": ["kunpeng"],
         "load_interval_ms": 50,
-        "load_timeout_ms": 300,
+        # Generous: CI shares 2 cores with vLLM engines; a missed poll would move traffic.
+        "load_timeout_ms": 1000,
         "retry_base_backoff_ms": 5,
         "batch_max_wait_ms": 0,
     }
