@@ -214,22 +214,20 @@ async def run_worker(ws: WorkerServer) -> int:
     for tens of seconds); a warm-up generation must succeed before readiness turns
     SERVING; then a monitor runs canaries and watches for engine death, which flips
     readiness to NOT_SERVING and stops the process with a non-zero code. On shutdown
-    run_until_signal reports NOT_SERVING, drains calls, and only then is the engine closed.
+    run_until_signal reports NOT_SERVING, keeps answering for drain_seconds, lets calls
+    finish (grace), and only then is the engine closed.
     """
     settings = ws.settings
     loop = asyncio.get_running_loop()
 
-    async def report_dead_then_stop() -> None:
-        await ws.handle.set_ready(False)
-        # Linger so health pollers and watchers see NOT_SERVING rather than just a gone peer.
-        await asyncio.sleep(settings.engine_dead_linger_s)
-        ws.stop_event.set()
-
     def on_engine_dead() -> None:
-        # Called from the core: stop serving now; the process exits non-zero.
+        # Called from the core: stop serving now; the process exits non-zero. The shutdown
+        # path reports NOT_SERVING and keeps answering health for drain_seconds, so pollers
+        # and watchers see NOT_SERVING rather than just a vanished peer.
         ws.exit_code = EXIT_ENGINE_DEAD
         metrics.SERVING.set(0)
-        ws._background.append(loop.create_task(report_dead_then_stop()))
+        ws._background.append(loop.create_task(ws.handle.set_ready(False)))
+        ws.stop_event.set()
 
     async def on_health_change(serving: bool) -> None:
         metrics.SERVING.set(1 if serving else 0)
@@ -269,6 +267,7 @@ async def run_worker(ws: WorkerServer) -> int:
         await run_until_signal(
             ws.handle, tier=TIER, grace_seconds=settings.grace_seconds, warmup=warmup,
             close=[close_monitor, close_engine], stop_event=ws.stop_event,
+            drain_seconds=settings.drain_seconds,
         )
     except Exception:
         log.exception("worker failed")

@@ -42,8 +42,6 @@ class WorkerSettings(ServerSettings):
     """A canary that yields no token within this many seconds marks the worker NOT_SERVING."""
     engine_check_interval_s: float = 0.5
     """Seconds between cheap engine liveness checks (a dead engine makes the process exit)."""
-    engine_dead_linger_s: float = 1.0
-    """After the engine died, keep answering health NOT_SERVING this long before exiting."""
 
     # -- vLLM engine arguments (vLLM's names; None keeps vLLM's default) -------------------
     tensor_parallel_size: int = 1

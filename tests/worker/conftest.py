@@ -76,7 +76,7 @@ async def start_running_worker(
     values: dict[str, object] = {
         "model": str(model_dir), "engine": "fake", "port": 0, "zone": "zone-t", "worker_id": "w-test",
         "canary_interval_s": 0.1, "canary_timeout_s": 0.3, "engine_check_interval_s": 0.05,
-        "grace_seconds": 0.5, "engine_dead_linger_s": 0.3,
+        "grace_seconds": 0.5, "drain_seconds": 0.3,
     }
     values.update(overrides)
     settings = WorkerSettings(**values)  # type: ignore[arg-type]
