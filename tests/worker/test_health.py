@@ -146,3 +146,22 @@ def test_cli_sigterm_exits_zero(tiny_deepseek_dir: Path, tmp_path: Path) -> None
         assert proc.stop() == 0
     finally:
         proc.kill()
+
+
+async def test_busy_engine_is_not_wedged(tiny_deepseek_dir: Path) -> None:
+    """A canary queued behind real work times out, but callers still get tokens: stay SERVING."""
+    worker = await start_running_worker(tiny_deepseek_dir, fake_max_running=1)
+    try:
+        call = worker.stub.Generate(worker_pb2.GenerateRequest(
+            request=token_request("hog", [5, 6], max_tokens=400)))  # ~0.8 s at 2 ms/token
+        await call.read()
+        for _ in range(25):  # several canary rounds (0.1 s interval, 0.3 s timeout)
+            assert await worker.readiness() == "SERVING"
+            await asyncio.sleep(0.02)
+        call.cancel()
+        assert worker.engine is not None
+        worker.engine.wedge()  # no progress at all: that is wedged
+        await worker.wait_readiness("NOT_SERVING", timeout=5)
+        worker.engine.wedge(False)
+    finally:
+        assert await worker.close() == 0
