@@ -34,7 +34,10 @@ def build_core(settings: PostprocessorSettings) -> PostprocessCore:
 async def build_server(settings: PostprocessorSettings) -> tuple[ServerHandle, PostprocessCore]:
     """The server (not started; health NOT_SERVING) and its core. ``handle.port`` is bound."""
     core = build_core(settings)
-    servicer = PostprocessServicer(core, final_drain_seconds=settings.final_drain_seconds)
+    servicer = PostprocessServicer(
+        core, final_drain_seconds=settings.final_drain_seconds,
+        error_drain_seconds=settings.error_drain_seconds,
+    )
     handle = await create_server(
         settings,
         tier="postprocessor",

@@ -2,8 +2,9 @@
 
 Protocol (see postprocess.proto): a ProcessConfig first, then ProcessTokens deltas, then
 ProcessEnd. Text deltas go back as they become safe, then exactly one ProcessFinal. A
-stop string or a blocked match sends ProcessFinal at once and ends the call; the caller
-then stops the engine, and whatever it still sends is ignored.
+stop string or a blocked match sends ProcessFinal at once; the caller then stops the
+engine, whatever it still sends is ignored, and the call ends when the caller closes its
+side (or after ``final_drain_seconds``).
 """
 
 from __future__ import annotations
@@ -29,29 +30,43 @@ SERVICE_NAME = postprocess_pb2.DESCRIPTOR.services_by_name["PostprocessService"]
 
 
 class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
-    def __init__(self, core: PostprocessCore, *, final_drain_seconds: float = 30.0) -> None:
+    """Ending a call while the caller is still writing makes the caller's next write
+    fail, and grpc.aio clients then report INTERNAL ("Failed execute_batch") instead of
+    the status the server sent (grpc/grpc#36066). So before the call ends early, after a
+    final or an error, the servicer keeps reading and ignoring the caller's messages until
+    it half-closes or cancels, for a bounded time.
+    """
+
+    def __init__(self, core: PostprocessCore, *, final_drain_seconds: float = 30.0,
+                 error_drain_seconds: float = 1.0) -> None:
         self.core = core
         self.final_drain_seconds = final_drain_seconds
+        self.error_drain_seconds = error_drain_seconds
 
-    async def _drain(self, requests: AsyncIterator[postprocess_pb2.ProcessRequest]) -> None:
-        """After an early ProcessFinal, ignore what the caller still sends until it closes.
-
-        The caller may have written more tokens before it saw the final. Ending the call
-        under its pending writes makes them fail, which grpc.aio can surface on the
-        caller as INTERNAL instead of a clean end; so wait (bounded) for its half-close
-        or cancellation.
-        """
+    @staticmethod
+    async def _drain(requests: AsyncIterator[postprocess_pb2.ProcessRequest], seconds: float) -> None:
         try:
-            async with asyncio.timeout(self.final_drain_seconds):
+            async with asyncio.timeout(seconds):
                 async for _ in requests:
                     pass
         except TimeoutError:
-            log.debug("caller kept its stream open %.0fs after the final; closing", self.final_drain_seconds)
+            log.debug("caller kept its stream open %.1fs after the end of its call", seconds)
 
     async def Process(
         self,
         request_iterator: AsyncIterator[postprocess_pb2.ProcessRequest],
         context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[postprocess_pb2.ProcessResponse]:
+        try:
+            async for response in self._process(request_iterator):
+                yield response
+        except Exception:
+            # Bad input: let the caller finish writing, so it sees this status (above).
+            await self._drain(request_iterator, self.error_drain_seconds)
+            raise
+
+    async def _process(
+        self, request_iterator: AsyncIterator[postprocess_pb2.ProcessRequest]
     ) -> AsyncIterator[postprocess_pb2.ProcessResponse]:
         session: PostprocessSession | None = None
         async for request in request_iterator:
@@ -99,7 +114,8 @@ class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
                           step.final.redactions)
                 yield convert.final(step.final)
                 if kind != "end":
-                    await self._drain(request_iterator)
+                    # The caller may have sent more tokens before it saw the final.
+                    await self._drain(request_iterator, self.final_drain_seconds)
                 return
         if session is None:
             raise InvalidArgument("config", "the stream closed before its ProcessConfig")

@@ -38,6 +38,9 @@ class PostprocessorSettings(ServerSettings):
     final_drain_seconds: float = 30.0
     """After a stop string or a blocked match sent the final message early, how long to keep
     reading (and ignoring) the caller's messages until it closes its side."""
+    error_drain_seconds: float = 1.0
+    """After bad input, how long to keep reading the caller's messages before the error
+    status ends the call (so a grpc.aio caller that is still writing sees that status)."""
 
     @field_validator("default_filter_mode")
     @classmethod
