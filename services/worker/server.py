@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,6 +164,7 @@ class WorkerServer:
     task: asyncio.Task[int] | None = None
     _monitor: asyncio.Task[None] | None = None
     _background: list[asyncio.Task[None]] = field(default_factory=list)
+    _watchdog: subprocess.Popen[bytes] | None = None
 
     @property
     def port(self) -> int:
@@ -236,6 +238,11 @@ async def run_worker(ws: WorkerServer) -> int:
 
     async def warmup() -> None:
         ws.engine = await asyncio.to_thread(ws.engine_factory)
+        if settings.engine == "vllm":
+            # The engine's processes must not outlive this one (see watchdog.py).
+            from services.worker.watchdog import engine_processes, start_watchdog
+
+            ws._watchdog = start_watchdog(os.getpid(), engine_processes(os.getpid()))
         core = WorkerCore(ws.engine, ws.identity, on_engine_dead=on_engine_dead)
         ws.servicer.attach(core)
         _install_fake_signals(ws)
@@ -262,6 +269,8 @@ async def run_worker(ws: WorkerServer) -> int:
                 await asyncio.wait_for(ws.engine.shutdown(), 30)
             except TimeoutError:
                 log.warning("engine shutdown timed out")
+        # The watchdog is left alone: it exits once the engine processes are gone, and
+        # kills any that outlive this process.
 
     try:
         await run_until_signal(

@@ -2,8 +2,8 @@
 
 Both workers run as ``llmesh worker`` subprocesses bound to different cores and are
 shared by the whole module; the offline ``LLM.generate`` reference is computed once in a
-third subprocess while they start. The engine-kill test runs last: it ends the DeepSeek
-worker. Run under the shared lock: ``flock /tmp/llmesh-engine.lock pytest -m engine tests/worker``.
+third subprocess while they start. The two kill tests run last: they end the workers.
+Run under the shared lock: ``flock /tmp/llmesh-engine.lock pytest -m engine tests/worker``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -106,7 +107,8 @@ def spawn_worker(case: ModelCase, core: str, log_dir: Path) -> TierProcess:
 def mesh(
     tiny_deepseek_dir: Path, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Mesh]:
-    log_dir = tmp_path_factory.mktemp("worker-engine-logs")
+    # Outside pytest's rotated tmp dirs, so a failed run's logs survive other sessions.
+    log_dir = Path(tempfile.mkdtemp(prefix="llmesh-worker-engine-"))
     deepseek = ModelCase("deepseek", tiny_deepseek_dir, encode(tiny_deepseek_dir, TEXTS),
                          encode(tiny_deepseek_dir, TEXTS))
     smollm = ModelCase("smollm", smollm2_dir, encode(smollm2_dir, [*TEXTS, CHAT_FRANCE]), [])
@@ -355,7 +357,7 @@ def engine_core_of(pid: int) -> psutil.Process:
 
 
 def test_killed_engine_core_turns_not_serving_and_exits(mesh: Mesh) -> None:
-    """Runs last in this module: it ends the DeepSeek worker."""
+    """Runs near the end of this module: it ends the DeepSeek worker."""
     case = mesh.deepseek
     assert case.proc is not None
     core = engine_core_of(case.proc.pid)
@@ -370,3 +372,16 @@ def test_killed_engine_core_turns_not_serving_and_exits(mesh: Mesh) -> None:
     assert case.proc.popen.wait(30) == EXIT_ENGINE_DEAD
     assert "SERVING" not in seen[1:]
     assert "NOT_SERVING" in seen, seen
+
+
+def test_sigkilled_worker_does_not_leave_its_engine_running(mesh: Mesh) -> None:
+    """The watchdog kills the engine processes of a worker that was SIGKILLed (runs last)."""
+    case = mesh.smollm
+    assert case.proc is not None and case.proc.alive()
+    engine = [p for p in psutil.Process(case.proc.pid).children(recursive=True)
+              if "watchdog" not in " ".join(p.cmdline())]
+    assert engine, "the worker has no engine processes"
+    case.proc.popen.send_signal(signal.SIGKILL)
+    case.proc.popen.wait(10)
+    _, alive = psutil.wait_procs(engine, timeout=15)
+    assert not alive, f"engine processes outlived their worker: {alive}"
