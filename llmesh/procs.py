@@ -103,6 +103,10 @@ class TierProcess:
         return self.popen.returncode
 
     def kill(self) -> None:
+        """SIGKILL the process and everything it started (its own session), e.g. vLLM's
+        engine-core processes, which would otherwise outlive it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             self.popen.kill()
         self.popen.wait(10)
