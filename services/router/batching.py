@@ -10,7 +10,6 @@ anyway and one call per batch saves per-request overhead); it shrinks as load dr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -257,8 +256,9 @@ class BatchDispatcher:
             return
         if stream.single_task is not None:
             stream.single_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await stream.single_task
+            # asyncio.wait, not `await task` under suppress(CancelledError): that would also
+            # swallow a cancellation of the caller itself.
+            await asyncio.wait({stream.single_task})
             return
         if stream.sent:
             # Only this request of the batch stops; the others keep streaming.
@@ -274,8 +274,8 @@ class BatchDispatcher:
         for stream, _, _ in self._pending:
             stream.push(WorkerCallError("transport", "UNAVAILABLE", "worker removed"))
         self._pending.clear()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            await asyncio.wait(tasks)

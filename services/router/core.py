@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
 import logging
 import random
@@ -176,9 +175,8 @@ class Router:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks)
         self._tasks = []
         for address in list(self.registry.workers):
             await self.remove_worker(address)

@@ -51,13 +51,13 @@ class WorkerMonitor:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._tasks:
+            # asyncio.wait does not swallow a cancellation of the caller (the DNS loop
+            # removing this worker may itself be cancelled at shutdown).
+            await asyncio.wait(self._tasks)
         for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                log.exception("monitor of %s failed", self.state.address)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("monitor of %s failed: %r", self.state.address, task.exception())
         self._tasks = []
 
     async def _refresh_info(self) -> bool:
