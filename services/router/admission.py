@@ -34,8 +34,13 @@ class _Waiter(Generic[T]):
 
 
 class Admission(Generic[T]):
-    def __init__(self, max_queue: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_queue: int, *, clock: Callable[[], float] = time.monotonic,
+        on_depth: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.max_queue = max(0, max_queue)
+        self._on_depth = on_depth
+        """Called with (priority, depth) whenever a class's queue depth changes."""
         self._clock = clock
         self._heap: list[_Waiter[T]] = []
         self._depth: dict[int, int] = {}
@@ -87,6 +92,8 @@ class Admission(Generic[T]):
         waiter: _Waiter[T] = _Waiter(priority, next(self._seq), pick, loop.create_future())
         heapq.heappush(self._heap, waiter)
         self._depth[priority] = self._depth.get(priority, 0) + 1
+        if self._on_depth is not None:
+            self._on_depth(priority, self._depth[priority])
         returned = False
         try:
             timeout = None if deadline is None else max(0.0, deadline - self._clock())
@@ -98,6 +105,8 @@ class Admission(Generic[T]):
             return result
         finally:
             self._depth[priority] -= 1
+            if self._on_depth is not None:
+                self._on_depth(priority, self._depth[priority])
             if not waiter.future.done():
                 waiter.future.cancel()
             elif not returned and not waiter.future.cancelled() and waiter.future.exception() is None:

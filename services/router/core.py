@@ -27,6 +27,7 @@ from services.common.errors import (
     InvalidArgument,
     LlmeshError,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from services.router import metrics
@@ -135,7 +136,10 @@ class Router:
             ),
             default_capacity=settings.worker_capacity,
         )
-        self.admission: Admission[_Attempt] = Admission(settings.max_queue)
+        self.admission: Admission[_Attempt] = Admission(
+            settings.max_queue,
+            on_depth=lambda priority, depth: metrics.QUEUE_DEPTH.labels(str(priority)).set(depth),
+        )
         self._clients: dict[str, WorkerClient] = {}
         self._dispatchers: dict[str, BatchDispatcher] = {}
         self._monitors: dict[str, WorkerMonitor] = {}
@@ -416,13 +420,14 @@ class Router:
                     )
                     return
                 waited = time.monotonic()
-                attempt = await self.admission.acquire(
-                    functools.partial(self._pick, model, key, frozenset(failed)),
-                    request.priority, deadline, self._release,
-                )
-                metrics.QUEUE_DEPTH.labels(str(request.priority)).set(
-                    self.admission.depth(request.priority)
-                )
+                try:
+                    attempt = await self.admission.acquire(
+                        functools.partial(self._pick, model, key, frozenset(failed)),
+                        request.priority, deadline, self._release,
+                    )
+                except ResourceExhausted:
+                    metrics.REJECTED.inc()
+                    raise
                 queue_ms += (time.monotonic() - waited) * 1000.0
                 worker = attempt.worker
                 if active.aborted:  # aborted while it waited for a worker

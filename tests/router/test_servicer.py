@@ -281,6 +281,10 @@ async def test_overload_is_resource_exhausted_with_retry_info() -> None:
         (retry,) = details(err.value)
         assert isinstance(retry, error_details_pb2.RetryInfo)
         assert retry.retry_delay.ToMilliseconds() >= 100
+        from prometheus_client import REGISTRY
+
+        assert REGISTRY.get_sample_value("llmesh_router_queue_depth", {"priority": "0"}) == 1
+        assert (REGISTRY.get_sample_value("llmesh_router_rejected_total") or 0) >= 1
         # A different priority class has its own bound.
         other = asyncio.ensure_future(rut.generate([4], 2, priority=1))
         (t1, _), (t2, _), (t4, _) = await asyncio.gather(running, queued, other)
