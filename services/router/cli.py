@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging("router", settings.log_level, settings.log_format)
     setup_tracing(settings.service_name or "llmesh-router")
-    start_metrics_server(settings.metrics_port)
+    start_metrics_server(settings.metrics_port, settings.host)
     from services.router.server import serve
 
     with contextlib.suppress(KeyboardInterrupt):
