@@ -60,7 +60,8 @@ typecheck: install-dev
 pytest: install-dev
 	$(VENV)/bin/llmesh model prepare --quiet
 	$(VENV)/bin/llmesh model prepare tiny-deepseek --quiet
-	$(PY) -m pytest $(PYTEST_ARGS)
+	# The venv's bin on PATH: tests run the real grpcurl and buf installed there.
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
 
 test: buf-lint lint typecheck pytest
 

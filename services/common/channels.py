@@ -74,6 +74,10 @@ def create_channel(
         options += list(KEEPALIVE_OPTIONS)
     if server_name_override:
         options.append(("grpc.ssl_target_name_override", server_name_override))
+    if target.startswith("dns:"):
+        # A DNS name of a headless Service resolves to every pod: spread calls over all
+        # of them instead of pinning the first address (gRPC's default pick_first).
+        options.append(("grpc.lb_policy_name", "round_robin"))
     options += list(extra_options)
     if interceptors is None:
         from services.common.tracing import client_interceptors

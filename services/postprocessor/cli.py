@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging("postprocessor", settings.log_level, settings.log_format)
     setup_tracing(settings.service_name or "llmesh-postprocessor")
-    start_metrics_server(settings.metrics_port)
+    start_metrics_server(settings.metrics_port, settings.host)
     from services.postprocessor.server import serve
 
     try:

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging("tokenizer", settings.log_level, settings.log_format)
     setup_tracing(settings.service_name or "llmesh-tokenizer")
-    start_metrics_server(settings.metrics_port)
+    start_metrics_server(settings.metrics_port, settings.host)
     from services.tokenizer.server import serve
 
     try:

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     setup_logging("worker", settings.log_level, settings.log_format)
     setup_tracing(settings.service_name or "llmesh-worker")
-    start_metrics_server(settings.metrics_port)
+    start_metrics_server(settings.metrics_port, settings.host)
     from services.worker.server import serve
 
     try:

