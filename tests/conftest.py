@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmesh.meshconfig import GatewayConfig, MeshConfig, WorkerConfig
+from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, TierConfig, WorkerConfig
 from llmesh.models import DEFAULT_MODEL, ensure_model
 from llmesh.procs import free_port
 from llmesh.up import Mesh
@@ -31,11 +31,15 @@ def tiny_deepseek_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def engine_mesh(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """A whole mesh with one real vLLM CPU worker on SmolLM2, gRPC and HTTP, started once
-    for every test that needs answers through the real engine."""
+    """A whole mesh with one real vLLM CPU worker on SmolLM2, gRPC and HTTP, two routers
+    and two postprocessors, started once for every test that needs the real engine."""
     config = MeshConfig(
         model=str(smollm2_dir),
         gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
+        # ha.yaml's shape: two routers and two postprocessors, so the HA tests can kill one
+        # of each under a real engine.
+        router=RouterConfig(replicas=2),
+        postprocessor=TierConfig(replicas=2),
         workers=[WorkerConfig(zone="zone-a", engine="vllm", cpu_omp_threads_bind="0-1",
                               settings={"max_num_seqs": 16, "max_model_len": 2048,
                                         "canary_interval_s": 30})],

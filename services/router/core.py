@@ -401,10 +401,12 @@ class Router:
         try:
             while True:
                 remaining = None if max_tokens is None else max_tokens - len(produced)
+                replay = self.settings.resume_mode != "prefill"
                 attempt_request = common_pb2.TokenRequest(
                     request_id=request_id if failures == 0 else f"{request_id}~{failures}",
                     model=model,
-                    prompt_token_ids=prompt + produced,
+                    prompt_token_ids=prompt if replay else prompt + produced,
+                    replay_token_ids=produced if replay else [],
                     priority=request.priority,
                 )
                 attempt_request.sampling.CopyFrom(sampling)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
@@ -95,6 +95,12 @@ class RouterSettings(ServerSettings):
     """Requests that may wait for capacity per priority class before RESOURCE_EXHAUSTED."""
     queue_timeout_s: float = 30.0
     """Longest wait for capacity before a queued request fails with RESOURCE_EXHAUSTED."""
+    resume_mode: Literal["replay", "prefill"] = "replay"
+    """How a stream resumes on another worker after tokens were delivered: ``replay``
+    sends the original prompt plus the delivered tokens as forced decode steps (a greedy
+    run then equals an undisturbed one exactly; costs one decode step per delivered
+    token), ``prefill`` appends them to the prompt (faster; vLLM's prefill kernels may
+    round differently, so a long greedy continuation can drift)."""
     max_retries: int = 3
     """Further attempts (other workers) after a failure, before or after the first token."""
     retry_base_backoff_ms: float = 20.0

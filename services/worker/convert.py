@@ -46,6 +46,7 @@ def request_from_proto(r: common_pb2.TokenRequest, adapter: str = "") -> EngineR
         sampling=sampling_from_proto(r.sampling),
         priority=r.priority,
         adapter=adapter,
+        replay_token_ids=tuple(r.replay_token_ids),
     )
 
 

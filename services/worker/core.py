@@ -182,7 +182,15 @@ def request_violations(req: EngineRequest, info: EngineInfo, prefix: str) -> lis
                 f"prompt has {len(prompt)} tokens; the max context length is {info.max_model_len} "
                 "and at least one token must be generated",
             ))
-    v += sampling_violations(req.sampling, info, len(prompt), prefix)
+    for i, token in enumerate(req.replay_token_ids):
+        if not 0 <= token < info.vocab_size:
+            v.append(FieldViolation(
+                f"{prefix}.replay_token_ids",
+                f"token id {token} at index {i} is outside the vocabulary (size {info.vocab_size})",
+            ))
+            break
+    # Replayed tokens occupy context like the prompt does.
+    v += sampling_violations(req.sampling, info, len(prompt) + len(req.replay_token_ids), prefix)
     return v
 
 

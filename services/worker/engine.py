@@ -58,6 +58,10 @@ class EngineRequest:
     priority: int = 0
     adapter: str = ""
     """LoRA adapter name; empty uses the base model."""
+    replay_token_ids: tuple[int, ...] = ()
+    """Tokens an earlier attempt already delivered: the engine re-generates them first as
+    forced decode steps (not emitted), so a resumed greedy run equals an undisturbed one.
+    ``sampling.max_tokens`` / ``min_tokens`` count the tokens after them."""
 
 
 @dataclass(frozen=True)

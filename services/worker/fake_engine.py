@@ -160,7 +160,9 @@ class FakeEngine:
         if self._dead:
             raise EngineDeadError("fake engine killed")
         arrival = time.perf_counter()
-        prompt = tuple(request.prompt_token_ids)
+        # The next token is a pure function of the sequence, so forced replay of earlier
+        # tokens is the same as having them in the prompt.
+        prompt = tuple(request.prompt_token_ids) + tuple(request.replay_token_ids)
         self._account_prefix(prompt)
         self._waiting.add(rid)
         try:

@@ -135,7 +135,13 @@ class VllmEngine:
     def build(cls, engine_args: Mapping[str, Any], *, loras: list[LoraModule] | None = None) -> VllmEngine:
         """Start AsyncLLM (spawns the engine-core process; blocks ~20-40 s on CPU)."""
         stats = SchedulerStatsHolder()
-        args = AsyncEngineArgs(**{**engine_args, "disable_log_stats": False})
+        from services.worker.forced import ForcedTokensLogitsProcessor
+
+        args = AsyncEngineArgs(**{
+            **engine_args, "disable_log_stats": False,
+            # Exact resume: replayed tokens are forced decode steps (see forced.py).
+            "logits_processors": [ForcedTokensLogitsProcessor],
+        })
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats.factory])
         return cls(llm, stats, priority_scheduling=engine_args.get("scheduling_policy") == "priority",
                    loras=loras or [])
@@ -175,17 +181,24 @@ class VllmEngine:
 
     def sampling_params(self, request: EngineRequest) -> SamplingParams:
         s = request.sampling
+        replay = len(request.replay_token_ids)
         max_tokens = s.max_tokens
         if max_tokens is None:
-            max_tokens = self._info.max_model_len - len(request.prompt_token_ids)
+            max_tokens = self._info.max_model_len - len(request.prompt_token_ids) - replay
+        extra_args = None
+        if replay:
+            from services.worker.forced import EXTRA_ARG
+
+            extra_args = {EXTRA_ARG: list(request.replay_token_ids)}
         return SamplingParams(
             n=1,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=0 if s.top_k == -1 else s.top_k,
             min_p=s.min_p,
-            max_tokens=max_tokens,
-            min_tokens=s.min_tokens,
+            max_tokens=max_tokens + replay,
+            min_tokens=s.min_tokens + replay,
+            extra_args=extra_args,
             stop_token_ids=list(s.stop_token_ids),
             seed=s.seed,
             repetition_penalty=s.repetition_penalty,
@@ -203,11 +216,22 @@ class VllmEngine:
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         lora = self._loras.get(request.adapter) if request.adapter else None
         priority = request.priority if self.priority_scheduling else 0
+        to_skip = len(request.replay_token_ids)
         try:
             async for out in self.llm.generate(
                 prompt, params, request.request_id, lora_request=lora, priority=priority
             ):
-                yield _convert_output(out, request.sampling.logprobs, len(request.prompt_token_ids))
+                converted = _convert_output(out, request.sampling.logprobs, len(request.prompt_token_ids))
+                if to_skip:
+                    # Forced replay steps were delivered by an earlier attempt: drop them.
+                    skip = min(to_skip, len(converted.token_ids))
+                    to_skip -= skip
+                    converted.token_ids = converted.token_ids[skip:]
+                    if converted.logprobs is not None:
+                        converted.logprobs = converted.logprobs[skip:]
+                    if not converted.token_ids and converted.finish_reason is None:
+                        continue
+                yield converted
         except VllmEngineDeadError as exc:
             raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
 

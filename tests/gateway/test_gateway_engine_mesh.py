@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +115,62 @@ async def test_deadline_reaches_the_engine(engine_channel, engine_mesh):
     # The mesh still answers afterwards.
     reply = await stub(engine_channel).Generate(request(messages=PARIS, sampling={"max_tokens": 16}))
     assert reply.finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
+
+
+# -- high availability through the real engine (kept last: they kill replicas of the
+# -- session mesh; later tests reach the survivors through the gateway's failover) ------
+
+HA_KWARGS = {"prompt": "Write a short story about a lighthouse keeper and a storm.",
+             "sampling": {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}}
+
+
+async def _ha_run(channel, pick_victim=None):
+    parts: list[str] = []
+    final = None
+    victim = None
+    async for item in stub(channel).GenerateStream(stream_request(**HA_KWARGS), timeout=120):
+        if item.HasField("delta"):
+            parts.append(item.delta.text)
+            if pick_victim is not None and victim is None and len(parts) == 6:
+                victim = await asyncio.to_thread(pick_victim)
+                os.kill(victim.pid, signal.SIGKILL)
+        else:
+            final = item.final
+    assert final is not None
+    return "".join(parts), final, victim
+
+
+async def test_router_killed_mid_stream_same_greedy_text_real_engine(engine_channel, engine_mesh):
+    from tests.gateway.test_gateway_ha import _metric
+
+    routers = [p for p in engine_mesh.procs if p.tier == "router"]
+    reference, ref_final, _ = await _ha_run(engine_channel)
+
+    def carrier():
+        busy = [p for p in routers if p.alive() and _metric(p, "llmesh_router_worker_in_flight") > 0]
+        assert len(busy) == 1
+        return busy[0]
+
+    text, final, victim = await _ha_run(engine_channel, carrier)
+    victim.popen.wait(10)
+    assert final.served_by.resumed >= 1
+    assert final.usage.completion_tokens == ref_final.usage.completion_tokens == 48
+    assert text == reference
+
+
+async def test_postprocessor_killed_mid_stream_same_greedy_text_real_engine(engine_channel, engine_mesh):
+    from tests.gateway.test_gateway_ha import _metric
+
+    posts = [p for p in engine_mesh.procs if p.tier == "postprocessor"]
+    reference, _, _ = await _ha_run(engine_channel)
+    before = {p.name: _metric(p, "llmesh_postprocessor_tokens_total") for p in posts if p.alive()}
+
+    def carrier():
+        moved = [p for p in posts if p.alive()
+                 and _metric(p, "llmesh_postprocessor_tokens_total") > before[p.name]]
+        assert len(moved) == 1
+        return moved[0]
+
+    text, final, _ = await _ha_run(engine_channel, carrier)
+    assert final.usage.completion_tokens == 48
+    assert text == reference

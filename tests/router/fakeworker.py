@@ -63,7 +63,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.running[request.request_id] = stop
         start = time.perf_counter()
         try:
-            seq = list(request.prompt_token_ids)
+            seq = list(request.prompt_token_ids) + list(request.replay_token_ids)
             limit = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
             for _ in range(limit):
                 await asyncio.sleep(self.token_delay_s)

@@ -1,12 +1,12 @@
 """Router over two real vLLM CPU workers (tiny DeepSeek), one per zone.
 
 vLLM on CPU does not compute a prefill of prompt + k generated tokens bit-identically
-to k decode steps (measured: on the random tiny model, and on SmolLM2 in bf16, a
-greedy re-run from prompt + prefix departs from the undisturbed run after a few dozen
-tokens at near-tied logits). So the test checks what the router controls exactly: the
-caller's stream is the undisturbed run up to the failure, with no duplicate or lost
-token, and the rest is exactly what the surviving engine generates greedily from
-prompt + the delivered prefix with the remaining budget.
+to k decode steps (a greedy re-run from prompt + prefix departs from the undisturbed
+run after a few dozen tokens at near-tied logits). So the router resumes by replay: the
+surviving worker gets the original prompt and re-generates the delivered tokens as
+forced decode steps (services/worker/forced.py), then continues. The test kills the
+serving worker mid-stream and asserts the caller's stream equals the undisturbed run,
+token for token.
 
 Run by hand under the shared lock: ``flock /tmp/llmesh-engine.lock pytest tests/router/test_engine.py``.
 """
@@ -17,12 +17,9 @@ import os
 import signal
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
-from llmesh.common.v1 import common_pb2
 from llmesh.procs import TierProcess
-from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.router.helpers import request, start_router
 from tests.router.procs import spawn_real_worker
 
@@ -62,24 +59,6 @@ async def _generate(rut, kill_after: int = 0, victim: TierProcess | None = None)
     return tokens, final
 
 
-def _direct(worker: TierProcess, prompt: list[int], n: int) -> list[int]:
-    """Greedy generation straight from one worker, bypassing the router."""
-    channel = grpc.insecure_channel(worker.address)
-    try:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        message = common_pb2.TokenRequest(request_id="direct-reference", prompt_token_ids=prompt)
-        message.sampling.max_tokens = n
-        message.sampling.temperature = 0.0
-        message.sampling.ignore_eos = True
-        out: list[int] = []
-        for response in stub.Generate(worker_pb2.GenerateRequest(request=message), timeout=60):
-            if response.HasField("delta"):
-                out.extend(response.delta.token_ids)
-        return out
-    finally:
-        channel.close()
-
-
 async def test_kill_9_of_a_real_worker_mid_stream_gives_the_same_greedy_text(
     real_workers: list[TierProcess],
 ) -> None:
@@ -97,10 +76,9 @@ async def test_kill_9_of_a_real_worker_mid_stream_gives_the_same_greedy_text(
         assert final.final.completion_tokens == N and len(tokens) == N
         (_, worker_id, k), *_ = rut.router.resume_log
         assert worker_id == "rw-b" and 0 < k < N
-        assert tokens[:k] == undisturbed[:k]
-        reference = _direct(b, PROMPT + tokens[:k], N - k)
-        assert tokens[k:] == reference
         same = next((i for i, (x, y) in enumerate(zip(tokens, undisturbed, strict=True)) if x != y), N)
-        print(f"resumed at token {k}; identical to the undisturbed run for {same} of {N} tokens")
+        assert tokens == undisturbed, (
+            f"resumed at token {k}; identical to the undisturbed run for only {same} of {N} tokens"
+        )
     finally:
         await rut.close()

@@ -177,7 +177,9 @@ async def test_resume_token_ids_from_upstream_are_not_resent() -> None:
         assert final.served_by.resumed == 1
         assert final.final.completion_tokens == 8 and final.final.prompt_tokens == 3
         seen = workers[0].worker.requests[-1]
-        assert list(seen.prompt_token_ids) == [4, 4, 4, *full[:3]]
+        # Delivered tokens go to the worker as forced replay steps, not in the prompt.
+        assert list(seen.prompt_token_ids) == [4, 4, 4]
+        assert list(seen.replay_token_ids) == full[:3]
         assert seen.sampling.max_tokens == 5
     finally:
         await stop_all(rut, workers)
