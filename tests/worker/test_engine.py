@@ -239,6 +239,24 @@ async def test_smollm_answers_paris_and_stops_on_eos(mesh: Mesh) -> None:
     assert final.HasField("stop_token_id") and final.stop_token_id == tokens[-1] == 2  # <|im_end|>
 
 
+@pytest.mark.parametrize("name", ["deepseek", "smollm"])
+async def test_replayed_tokens_continue_exactly_like_an_undisturbed_run(mesh: Mesh, name: str) -> None:
+    """Resume by replay: prompt + forced decode of the first k tokens, then the rest equals
+    the undisturbed greedy run token for token, and the forced tokens are not re-sent."""
+    case: ModelCase = getattr(mesh, name)
+    prompt = case.solo[0]
+    n, k = 64, 23
+    channel, stub = stub_for(case)
+    async with channel:
+        full, _ = await generate(stub, greedy(f"{name}-full", prompt, max_tokens=n, ignore_eos=True))
+        assert len(full) == n
+        message = greedy(f"{name}-replay", prompt, max_tokens=n - k, ignore_eos=True)
+        message.replay_token_ids.extend(full[:k])
+        rest, final = await generate(stub, message)
+    assert rest == full[k:]
+    assert final.completion_tokens == n - k
+
+
 async def test_batch_returns_n_correct_streams(mesh: Mesh) -> None:
     case = mesh.deepseek
     channel, stub = stub_for(case)
