@@ -133,13 +133,38 @@ class Mesh:
             env={**self._env(tier), **(env or {})}, log_dir=self.log_dir, zone=zone,
             metrics_port=metrics_port,
         )
+        proc.extra["spawn"] = {"name": name, "tier": tier, "args": args, "zone": zone, "env": env,
+                               "server_tls": server_tls}
         self.procs.append(proc)
         return proc
 
+    def _respawn(self, proc: TierProcess) -> TierProcess:
+        """Start ``proc`` again on fresh ports (its ports were taken between pick and bind)."""
+        spec = dict(proc.extra["spawn"])  # type: ignore[call-overload]
+        self.procs.remove(proc)
+        return self._spawn(spec.pop("name"), spec.pop("tier"), spec.pop("args"),
+                           port=free_port(self.host), **spec)
+
     def _wait(self, procs: list[TierProcess], timeout: float) -> None:
+        """Wait until each of ``procs`` is SERVING. A process that lost the race for the
+        port it was given (free_port picks a port, another process may bind it first) is
+        started again on fresh ports; ``procs`` is updated in place."""
         creds = self.credentials()
-        for proc in procs:
-            proc.wait_serving(timeout=timeout, credentials=creds)
+        for i, proc in enumerate(procs):
+            for attempt in range(4):
+                try:
+                    proc.wait_serving(timeout=timeout, credentials=creds)
+                    break
+                except RuntimeError:
+                    log_text = proc.log_path.read_text(errors="replace") if proc.log_path else ""
+                    lost_port = "Failed to bind" in log_text or "Address already in use" in log_text
+                    if not lost_port or attempt == 3 or proc.tier == "gateway":
+                        raise
+                    print(f"  {proc.name:<16} port taken, restarting on another", file=sys.stderr)
+                    if proc.log_path is not None:
+                        proc.log_path.write_text("")
+                    proc = self._respawn(proc)
+                    procs[i] = proc
             print(f"  {proc.name:<16} SERVING  {proc.address}  pid {proc.pid}", file=sys.stderr)
 
     def start(self) -> None:
@@ -174,7 +199,8 @@ class Mesh:
                     "--worker-id", f"worker-{i}-{w.zone}", *_flags(settings)]
             workers.append(self._spawn(f"worker-{i}", "worker", args, port=free_port(self.host),
                                        zone=w.zone, env=env))
-        self._wait(tokenizers + posts, timeout=120)
+        self._wait(tokenizers, timeout=120)
+        self._wait(posts, timeout=120)
         self._wait(workers, timeout=600)
         zones = cfg.router.zones or list(dict.fromkeys(w.zone for w in cfg.workers))
         worker_list = [
