@@ -80,7 +80,8 @@ def _check_level(level: dict[str, Any], concurrency: int, tiers: set[str]) -> No
         assert level[fig]["p50"] is not None and level[fig]["p50"] <= level[fig]["p99"]
     assert level["ttft_ms"]["p99"] <= level["latency_ms"]["p99"]
     assert set(level["cpu_s_per_1k_tokens"]) == tiers | {"total"}
-    assert level["cpu_s_per_1k_tokens"]["total"] > 0
+    # A short level can fall inside one CPU clock tick: only the sum over levels must move.
+    assert level["cpu_s_per_1k_tokens"]["total"] >= 0
 
 
 def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_path: Path) -> None:
@@ -94,6 +95,8 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
         assert [lv["concurrency"] for lv in levels] == [1, 4]
         for level, c in zip(levels, (1, 4), strict=True):
             _check_level(level, c, tiers)
+        if name == "llmesh":
+            assert sum(lv["cpu_s_per_1k_tokens"]["total"] for lv in levels) > 0
     # Both systems got the very same requests (like for like).
     assert len(stub.requests) == 2 + 4 + 4  # warm-up + two levels
     spec = WorkloadSpec((4, 8), (6, 12))
