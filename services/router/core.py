@@ -338,6 +338,9 @@ class Router:
             raise Unavailable(f"no zone can serve model {model!r} (no healthy worker)")
         worker = choice.worker
         worker.in_flight += 1
+        # The gauge moves with the count itself, not at the next load poll: a scrape right
+        # after dispatch must show the request (autoscalers and `llmesh status` read it).
+        metrics.WORKER_IN_FLIGHT.labels(worker.worker_id, worker.zone).set(worker.in_flight)
         worker.breaker.on_dispatch()
         return _Attempt(worker, choice.affinity)
 

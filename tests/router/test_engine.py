@@ -71,7 +71,8 @@ async def test_kill_9_of_a_real_worker_mid_stream_gives_the_same_greedy_text(
         assert len(undisturbed) == N and final.served_by.worker_id == "rw-a"
         assert final.served_by.device == "cpu" and not final.served_by.degraded
         tokens, final = await _generate(rut, kill_after=20, victim=a)
-        assert not a.alive()
+        # SIGKILL is delivered asynchronously: a large process may still be exiting.
+        a.popen.wait(10)
         assert final.served_by.worker_id == "rw-b" and final.served_by.resumed == 1
         assert final.final.completion_tokens == N and len(tokens) == N
         (_, worker_id, k), *_ = rut.router.resume_log

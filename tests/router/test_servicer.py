@@ -275,6 +275,12 @@ async def test_overload_is_resource_exhausted_with_retry_info() -> None:
     try:
         running = asyncio.ensure_future(rut.generate([1], 20))
         await wait_for(lambda: rut.router.registry.workers[workers[0].address].in_flight == 1)
+        from prometheus_client import REGISTRY
+
+        state = rut.router.registry.workers[workers[0].address]
+        labels = {"worker": state.worker_id, "zone": state.zone}
+        # The gauge follows dispatch at once, not at the next load poll.
+        assert REGISTRY.get_sample_value("llmesh_router_worker_in_flight", labels) == 1
         queued = asyncio.ensure_future(rut.generate([2], 2))
         await wait_for(lambda: rut.router.admission.depth() == 1)
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -283,8 +289,6 @@ async def test_overload_is_resource_exhausted_with_retry_info() -> None:
         (retry,) = details(err.value)
         assert isinstance(retry, error_details_pb2.RetryInfo)
         assert retry.retry_delay.ToMilliseconds() >= 100
-        from prometheus_client import REGISTRY
-
         assert REGISTRY.get_sample_value("llmesh_router_queue_depth", {"priority": "0"}) == 1
         assert (REGISTRY.get_sample_value("llmesh_router_rejected_total") or 0) >= 1
         # A different priority class has its own bound.
