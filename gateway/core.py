@@ -119,6 +119,8 @@ class GatewayConfig:
     limits: Limits = field(default_factory=Limits)
     default_model: str = ""
     default_max_tokens: int = 512
+    default_temperature: float | None = 0.0
+    """Applied when a request leaves temperature unset; None leaves it to the engine."""
     max_resumes: int = 3
     models_refresh_s: float = 30.0
 
@@ -127,8 +129,13 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _to_engine_sampling(call: GenerateCall, max_tokens: int) -> GenerateCall:
-    sampling = dataclasses.replace(call.sampling, max_tokens=max_tokens, stop=[])
+def _to_engine_sampling(
+    call: GenerateCall, max_tokens: int, default_temperature: float | None = None
+) -> GenerateCall:
+    temperature = call.sampling.temperature
+    if temperature is None:
+        temperature = default_temperature
+    sampling = dataclasses.replace(call.sampling, max_tokens=max_tokens, stop=[], temperature=temperature)
     return dataclasses.replace(call, sampling=sampling)
 
 
@@ -260,7 +267,7 @@ class GatewayCore:
             span.set_attribute("llmesh.prompt_tokens", prompt_tokens)
             max_tokens = check_context(call, meta, prompt_tokens, self.config.default_max_tokens)
             self.limiter.charge_tokens(tenant, prompt_tokens)
-            engine_call = _to_engine_sampling(call, max_tokens)
+            engine_call = _to_engine_sampling(call, max_tokens, self.config.default_temperature)
             generation = TokenGeneration(
                 request_id=request_id, model=meta.id, prompt_token_ids=encoded.token_ids,
                 sampling=engine_call.sampling, priority=call.priority,

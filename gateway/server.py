@@ -58,6 +58,7 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
             ),
             default_model=settings.default_model,
             default_max_tokens=settings.default_max_tokens,
+            default_temperature=settings.default_temperature if settings.default_temperature >= 0 else None,
             max_resumes=settings.max_resumes,
         ),
         audit=audit,

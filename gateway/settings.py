@@ -45,6 +45,10 @@ class GatewaySettings(ServerSettings):
     """Most top logprobs per token a caller may ask for."""
     default_max_tokens: int = 512
     """max_tokens when a request leaves it unset (capped by the context left)."""
+    default_temperature: float = 0.0
+    """temperature when a request leaves it unset: 0 (greedy) gives the same answer to the
+    same prompt, which is what a caller that did not ask for sampling expects. A negative
+    value leaves it to the engine (vLLM: the model's generation_config, else 1.0)."""
     max_resumes: int = 3
     """How many times one stream may move to another router or postprocessor replica."""
     http_port: int = -1

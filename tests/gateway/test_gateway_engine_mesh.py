@@ -77,6 +77,16 @@ async def test_greedy_stream_equals_unary(engine_channel):
     assert final.usage.completion_tokens == unary.usage.completion_tokens
 
 
+async def test_unset_temperature_is_the_gateways_default_greedy(engine_channel):
+    """A caller that sets no sampling gets the same answer every time (default_temperature 0)."""
+    s = stub(engine_channel)
+    first = await s.Generate(request(messages=PARIS, sampling={"max_tokens": 24}))
+    second = await s.Generate(request(messages=PARIS, sampling={"max_tokens": 24}))
+    greedy = await s.Generate(request(messages=PARIS, sampling={"max_tokens": 24, "temperature": 0.0}))
+    assert first.text == second.text == greedy.text
+    assert "Paris" in first.text
+
+
 async def test_client_cancel_frees_the_engine(engine_channel, engine_mesh):
     address = _worker_address(engine_mesh)
     s = stub(engine_channel)
