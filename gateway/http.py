@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -355,12 +356,32 @@ def build_app(core: GatewayCore) -> web.Application:
     return app
 
 
+def server_ssl_context(settings: GatewaySettings) -> ssl.SSLContext | None:
+    """The gRPC port's TLS material, for the HTTP listener: None when the gateway is plaintext.
+
+    A gateway that refuses plaintext gRPC must not answer plaintext HTTP beside it; with a
+    client CA, client certificates are required here too (mutual TLS).
+    """
+    tls = settings.server_tls
+    if tls is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.cert, tls.key or None)
+    if tls.ca:
+        context.load_verify_locations(cafile=tls.ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 async def start_http(core: GatewayCore, settings: GatewaySettings) -> web.AppRunner:
     # handler_cancellation: a client that hangs up on a non-streamed request cancels the
     # handler, and with it the generation downstream, instead of running it to the end.
     runner = web.AppRunner(build_app(core), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, settings.http_host, settings.http_port)
+    context = server_ssl_context(settings)
+    site = web.TCPSite(runner, settings.http_host, settings.http_port, ssl_context=context)
     await site.start()
-    log.info("OpenAI-compatible HTTP on %s:%d", settings.http_host, settings.http_port)
+    log.info("OpenAI-compatible HTTP%s on %s:%d", "S" if context else "", settings.http_host,
+             settings.http_port)
     return runner

@@ -239,14 +239,20 @@ class Mesh:
         gateway.address = f"{cfg.gateway.host}:{cfg.gateway.port}"
         self._wait([gateway], timeout=120)
 
+    def http_url(self) -> str:
+        """The OpenAI-compatible base URL ('' when off); https when the mesh serves TLS."""
+        gw = self.config.gateway
+        if gw.http_port < 0:
+            return ""
+        return f"{'https' if self.config.tls.enabled else 'http'}://{gw.host}:{gw.http_port}"
+
     def state(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
             "tls": self.config.tls.enabled,
             "certs_dir": str(self.tls_dir) if self.config.tls.enabled else "",
             "mutual_tls": self.config.tls.mutual,
-            "http": (f"http://{self.config.gateway.host}:{self.config.gateway.http_port}"
-                     if self.config.gateway.http_port >= 0 else ""),
+            "http": self.http_url(),
             "processes": [
                 {"name": p.name, "tier": p.tier, "zone": p.zone, "address": p.address, "pid": p.pid,
                  "metrics_port": p.metrics_port, "service": p.service,
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         scheme = "TLS" if config.tls.enabled else "plaintext"
         print(f"\nllmesh is up: gateway {gw.host}:{gw.port} ({scheme}), model {mesh.model_name}")
         if gw.http_port >= 0:
-            print(f"OpenAI-compatible HTTP: http://{gw.host}:{gw.http_port}/v1")
+            print(f"OpenAI-compatible HTTP: {mesh.http_url()}/v1")
         print("try:  grpcurl -plaintext -d '{\"messages\":[{\"role\":\"user\",\"content\":"
               "\"What is the capital of France?\"}]}' "
               f"{gw.host}:{gw.port} llmesh.v1.InferenceService/GenerateStream")

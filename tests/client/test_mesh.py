@@ -40,8 +40,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class MeshEndpoint:
-    def __init__(self, address: str, certs: Path) -> None:
+    def __init__(self, address: str, certs: Path, http_url: str = "") -> None:
         self.address = address
+        self.http_url = http_url
         self.ca = certs / "ca.pem"
         self.cert = certs / "client.pem"
         self.key = certs / "client-key.pem"
@@ -63,7 +64,7 @@ def mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     base = tmp_path_factory.mktemp("client-mesh")
     config = MeshConfig(
         model=str(tiny_deepseek_dir),
-        gateway=GatewayConfig(port=free_port(), http_port=-1, settings={"drain_seconds": 0}),
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
         router=RouterConfig(zones=["zone-a"]),
         workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 5})],
         tls=TlsConfig(enabled=True, mutual=True, certs_dir=str(base / "certs")),
@@ -72,7 +73,7 @@ def mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     running = Mesh(config, log_dir=base / "logs")
     try:
         running.start()
-        yield MeshEndpoint(f"{config.gateway.host}:{config.gateway.port}", base / "certs")
+        yield MeshEndpoint(f"{config.gateway.host}:{config.gateway.port}", base / "certs", running.http_url())
     finally:
         running.stop()
 
@@ -169,3 +170,32 @@ def test_mutual_tls_refuses_clients_without_a_certificate(mesh: MeshEndpoint) ->
         certificate_chain=mesh.cert.read_bytes(),
     )
     assert check_health(mesh.address, credentials=with_cert) == "SERVING"
+
+
+def test_http_surface_is_https_with_client_certificates_in_a_tls_mesh(mesh: MeshEndpoint) -> None:
+    """Plaintext gRPC refused means plaintext HTTP refused too; mutual TLS holds on HTTP."""
+    import ssl
+
+    import httpx
+    import openai
+
+    assert mesh.http_url.startswith("https://")
+    plain = mesh.http_url.replace("https://", "http://", 1)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{plain}/v1/models", headers={"authorization": f"Bearer {API_KEY}"}, timeout=5)
+    no_cert = ssl.create_default_context(cafile=str(mesh.ca))
+    with pytest.raises(httpx.HTTPError):
+        # TLS 1.3 reports a missing client certificate after the handshake, on first read.
+        httpx.get(f"{mesh.http_url}/v1/models", headers={"authorization": f"Bearer {API_KEY}"},
+                  verify=no_cert, timeout=5)
+    with_cert = ssl.create_default_context(cafile=str(mesh.ca))
+    with_cert.load_cert_chain(str(mesh.cert), str(mesh.key))
+    with httpx.Client(verify=with_cert, timeout=30) as http:
+        api = openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key=API_KEY, http_client=http,
+                            max_retries=0)
+        reply = api.completions.create(model="tiny-deepseek", prompt="hello", max_tokens=4)
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="wrong", http_client=http,
+                          max_retries=0).models.list()
