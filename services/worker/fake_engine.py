@@ -6,6 +6,11 @@ So generating N tokens equals generating k, then re-submitting prompt + those k 
 N - k remaining -- the property the router's mid-stream resume relies on. Sampling
 temperature, top-p/k and seeds are accepted but do not change the output.
 
+With ``echo`` it generates the prompt again instead, token by token and cycling, so a
+test can put known text (an e-mail address, a stop string) into the output; the token at
+each position still depends only on the original prompt and the position, so forced
+replay on resume gives the same continuation.
+
 It honours ``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` (a stop id is
 only produced if the hash lands on it), ``logprobs``, abort, a running-request limit
 (further requests wait, and count as waiting) and a per-token delay. It emits EOS only
@@ -100,8 +105,10 @@ class FakeEngine:
         eos_after: int = 0,
         max_running: int = 8,
         max_model_len: int = 0,
+        echo: bool = False,
     ) -> None:
         self.model = FakeModel.from_dir(model_dir, max_model_len)
+        self.echo = echo
         self.token_delay_s = max(0.0, token_delay_ms) / 1000.0
         self.eos_after = eos_after
         self.max_running = max(1, max_running)
@@ -247,6 +254,9 @@ class FakeEngine:
             may_stop = generated >= sampling.min_tokens
             if self.eos_after and generated >= self.eos_after and may_stop and not sampling.ignore_eos:
                 token = self.model.eos_token_id
+            elif self.echo and request.prompt_token_ids:
+                source = request.prompt_token_ids
+                token = source[(len(sequence) - len(source)) % len(source)]
             else:
                 token = next_token(sequence, self.model)
             sequence.append(token)

@@ -102,6 +102,7 @@ def default_engine_factory(settings: WorkerSettings, device: str) -> EngineFacto
                 eos_after=settings.fake_eos_after,
                 max_running=settings.fake_max_running,
                 max_model_len=settings.max_model_len or 0,
+                echo=settings.fake_echo,
             )
         return make_fake
     if settings.engine != "vllm":

@@ -92,3 +92,6 @@ class WorkerSettings(ServerSettings):
     """Fake engine: emit EOS after this many generated tokens (0: never emit EOS)."""
     fake_max_running: int = 8
     """Fake engine: requests running at once; further requests wait (and count as waiting)."""
+    fake_echo: bool = False
+    """Fake engine: generate the prompt's tokens again, cycling, instead of hashed tokens
+    (end-to-end tests of output filters and stop strings)."""

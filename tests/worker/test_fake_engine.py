@@ -154,3 +154,17 @@ async def test_kill_fails_running_generations(tiny_deepseek_dir: Path) -> None:
     assert engine.errored
     with pytest.raises(EngineDeadError):
         await engine.check_health()
+
+
+async def test_echo_repeats_the_prompt_and_resumes_by_replay(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=0, echo=True)
+    prompt = [100, 200, 300]
+    tokens, last = await run(engine, prompt, max_tokens=7, ignore_eos=True)
+    assert tokens == [100, 200, 300, 100, 200, 300, 100]
+    assert last.finish_reason is FinishReason.LENGTH  # type: ignore[attr-defined]
+    # Forced replay of the first 4 tokens continues exactly where the undisturbed run went.
+    req = EngineRequest(request_id="echo-resume", prompt_token_ids=tuple(prompt),
+                        replay_token_ids=(100, 200, 300, 100),
+                        sampling=Sampling(max_tokens=3, ignore_eos=True))
+    rest = [t async for out in engine.generate(req) for t in out.token_ids]
+    assert rest == tokens[4:]
