@@ -298,6 +298,8 @@ class GatewayCore:
             span.set_attribute("llmesh.worker_id", completion.served_by.worker_id)
             span.set_attribute("llmesh.zone", completion.served_by.zone)
             span.set_attribute("llmesh.resumed", completion.served_by.resumed)
+            span.set_attribute("llmesh.queue_ms", completion.timing.queue_ms)
+            span.set_attribute("llmesh.ttft_ms", completion.timing.ttft_ms)
             yield completion
         except LlmeshError as exc:
             status = exc.code.name

@@ -478,7 +478,12 @@ class Router:
                         worker.breaker.record_success()
                         self.admission.observe_service_time(time.monotonic() - start)
                         finished = True
-                        _annotate(current_span, worker, stream, retries, resumes, attempt.affinity)
+                        _annotate(
+                            current_span, worker, stream, retries, resumes, attempt.affinity,
+                            queue_ms=queue_ms, ttft_ms=(
+                                (first_token_at - start) * 1000.0 if first_token_at is not None else None
+                            ),
+                        )
                         yield self._final(
                             event, worker, prompt, produced, resumes, retries, start,
                             first_token_at, queue_ms,
@@ -572,7 +577,7 @@ def _current_span() -> trace.Span:
 
 def _annotate(
     span: trace.Span, worker: WorkerState, stream: AttemptStream, retries: int, resumes: int,
-    affinity: bool,
+    affinity: bool, *, queue_ms: float, ttft_ms: float | None,
 ) -> None:
     """Put the routing decision on the current span (the server span of Generate)."""
     if not span.is_recording():
@@ -584,3 +589,6 @@ def _annotate(
     span.set_attribute("llmesh.router.batch_size", stream.batch_size)
     span.set_attribute("llmesh.router.window_wait_ms", stream.window_wait_ms)
     span.set_attribute("llmesh.router.affinity", affinity)
+    span.set_attribute("llmesh.router.queue_ms", queue_ms)
+    if ttft_ms is not None:
+        span.set_attribute("llmesh.router.ttft_ms", ttft_ms)

@@ -471,6 +471,7 @@ class WorkerCore:
         metrics.ENGINE_RUNNING.set(load.running)
         metrics.ENGINE_WAITING.set(load.waiting)
         metrics.KV_CACHE_USAGE.set(load.kv_cache_usage)
+        metrics.PREFIX_CACHE_HIT_RATE.set(load.prefix_cache_hit_rate)
 
     def _engine_died(self, reason: str) -> None:
         self.health.engine_dead = True

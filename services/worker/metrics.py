@@ -17,4 +17,8 @@ CANARIES = Counter("llmesh_worker_canaries", "Canary generations by result.", ["
 ENGINE_RUNNING = Gauge("llmesh_worker_engine_running", "Requests the engine scheduler is running.")
 ENGINE_WAITING = Gauge("llmesh_worker_engine_waiting", "Requests waiting in the engine scheduler.")
 KV_CACHE_USAGE = Gauge("llmesh_worker_kv_cache_usage", "Fraction of KV cache blocks in use.")
+PREFIX_CACHE_HIT_RATE = Gauge(
+    "llmesh_worker_prefix_cache_hit_rate",
+    "Fraction of prompt tokens served from the engine's prefix cache (as the engine reports it).",
+)
 SERVING = Gauge("llmesh_worker_serving", "1 while readiness is SERVING.")

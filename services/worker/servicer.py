@@ -7,11 +7,12 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.errors import InvalidArgument, Unavailable
 from services.worker import convert
-from services.worker.core import WorkerCore
+from services.worker.core import Final, WorkerCore
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -39,6 +40,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         req = convert.request_from_proto(request.request, adapter)
         async with contextlib.aclosing(self.core.generate(req)) as events:
             async for event in events:
+                if isinstance(event, Final):
+                    _annotate(trace.get_current_span(), event)
                 yield convert.generate_response(req.request_id, event)
 
     async def GenerateBatch(
@@ -79,3 +82,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetModelInfoResponse:
         return convert.model_info_to_proto(self.core.identity, self.core.info)
+
+
+def _annotate(span: trace.Span, final: Final) -> None:
+    """The engine's account of one request, on the server span of Generate."""
+    if not span.is_recording():
+        return
+    span.set_attribute("llmesh.worker.finish_reason", final.finish_reason.value)
+    span.set_attribute("llmesh.worker.prompt_tokens", final.prompt_tokens)
+    span.set_attribute("llmesh.worker.completion_tokens", final.completion_tokens)
+    span.set_attribute("llmesh.worker.cached_tokens", final.cached_tokens)
+    span.set_attribute("llmesh.worker.queue_ms", final.queue_ms)
+    span.set_attribute("llmesh.worker.ttft_ms", final.ttft_ms)

@@ -130,7 +130,25 @@ async def test_one_trace_spans_every_tier_and_continues_the_client(receiver, tra
     worker_spans = [s for s in mine if s["service"] == "llmesh-worker"]
     assert any("llmesh-router" in ancestors(s) and "llmesh-gateway" in ancestors(s) for s in worker_spans)
     generate = [s for s in mine if s["name"] == "gateway.generate"]
-    assert generate and "llmesh.model" in generate[0]["attributes"]
+    assert generate
+    gateway_attrs = generate[0]["attributes"]
+    for key in ("llmesh.model", "llmesh.tenant", "llmesh.prompt_tokens", "llmesh.completion_tokens",
+                "llmesh.worker_id", "llmesh.zone", "llmesh.queue_ms", "llmesh.ttft_ms"):
+        assert key in gateway_attrs, key
+    assert gateway_attrs["llmesh.completion_tokens"].int_value == 8
+    routed = [s["attributes"] for s in mine if s["service"] == "llmesh-router"
+              and "llmesh.router.worker" in s["attributes"]]
+    assert routed, "no router span carries the routing decision"
+    for key in ("llmesh.router.zone", "llmesh.router.retries", "llmesh.router.resumes",
+                "llmesh.router.batch_size", "llmesh.router.window_wait_ms", "llmesh.router.queue_ms",
+                "llmesh.router.ttft_ms"):
+        assert key in routed[0], key
+    engine = [s["attributes"] for s in worker_spans if "llmesh.worker.completion_tokens" in s["attributes"]]
+    assert engine, "no worker span carries the engine's account of the request"
+    assert engine[0]["llmesh.worker.completion_tokens"].int_value == 8
+    for key in ("llmesh.worker.prompt_tokens", "llmesh.worker.queue_ms", "llmesh.worker.ttft_ms",
+                "llmesh.worker.finish_reason"):
+        assert key in engine[0], key
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -185,3 +203,16 @@ async def test_metrics_move_by_the_right_amounts(traced_mesh):
         "worker", "llmesh_rpc_requests_total", tier="worker", method="GenerateBatch"
     )
     assert 1 <= worker_rpcs <= n
+    # The worker's own counters (canary generations are not requests and do not count).
+    assert moved("worker", "llmesh_worker_generated_tokens_total") == n * max_tokens
+    assert moved("worker", "llmesh_worker_requests_total", finish_reason="length") == n
+    # Engine gauges: KV usage and the prefix cache hit rate (the prompts share a prefix).
+    # The worker exports them from its engine check loop (every engine_check_interval_s).
+    worker = after["worker"]
+    for _ in range(50):
+        if worker.get("llmesh_worker_prefix_cache_hit_rate", 0.0) > 0.0:
+            break
+        await asyncio.sleep(0.1)
+        worker = _scrape(procs["worker"].metrics_port)
+    assert "llmesh_worker_kv_cache_usage" in worker
+    assert 0.0 < worker["llmesh_worker_prefix_cache_hit_rate"] <= 1.0
