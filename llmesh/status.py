@@ -37,6 +37,27 @@ def _credentials(state: dict[str, object]) -> grpc.ChannelCredentials | None:
     )
 
 
+def router_view(address: str, credentials: grpc.ChannelCredentials | None,
+                timeout: float = 3.0) -> dict[str, object]:
+    """One router's ListWorkers: its zone ladder and every worker it knows, with health,
+    circuit state, load and (for local workers) pid. ``{"error": ...}`` if it does not answer."""
+    from google.protobuf.json_format import MessageToDict
+
+    from llmesh.router.v1 import router_pb2, router_pb2_grpc
+
+    channel = (grpc.secure_channel(address, credentials) if credentials is not None
+               else grpc.insecure_channel(address))
+    try:
+        reply = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(
+            router_pb2.ListWorkersRequest(), timeout=timeout
+        )
+    except grpc.RpcError as err:
+        return {"error": f"{err.code().name}: {err.details()}"}  # type: ignore[attr-defined]
+    finally:
+        channel.close()
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
 def collect(state_path: Path) -> dict[str, object]:
     state = json.loads(state_path.read_text())
     creds = _credentials(state)
@@ -45,6 +66,9 @@ def collect(state_path: Path) -> dict[str, object]:
         proc["health"] = (
             check_health(proc["address"], proc["service"], credentials=creds) if proc["alive"] else "DEAD"
         )
+        if proc["tier"] == "router" and proc["alive"]:
+            # The router's own view of the workers: what routing decisions are made from.
+            proc["workers"] = router_view(proc["address"], creds)
     return state
 
 
@@ -52,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llmesh status",
         description="Print the mesh started by `llmesh up` as JSON: every process with tier, zone, "
-        "address, pid, metrics port and health.",
+        "address, pid, metrics port and health; each router adds its view of the workers "
+        "(zone ladder, health, circuit state, load, pid).",
     )
     parser.add_argument("--state", help=f"state file (default ${{LLMESH_HOME}}/run/{STATE_FILE})")
     args = parser.parse_args(argv)

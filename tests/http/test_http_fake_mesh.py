@@ -346,6 +346,18 @@ def test_llmesh_status_lists_the_http_endpoint(http_fake_mesh: Mesh, tmp_path: P
     assert gateway["health"] == "SERVING"
     api = openai.OpenAI(base_url=printed["http"] + "/v1", api_key=DEMO_KEY, max_retries=0)
     assert [m.id for m in api.models.list()] == [http_fake_mesh.model_name]
+    # Each router reports the workers as it sees them (its ListWorkers admin RPC).
+    worker_procs = {p.address: p for p in http_fake_mesh.procs if p.tier == "worker"}
+    for router in (p for p in printed["processes"] if p["tier"] == "router"):
+        view = router["workers"]
+        assert "error" not in view, view
+        assert view["workers"] and {w["address"] for w in view["workers"]} == set(worker_procs)
+        for worker in view["workers"]:
+            proc = worker_procs[worker["address"]]
+            assert worker["zone"] == proc.zone and worker["device"] == "cpu"
+            assert worker["health"] == "SERVING" and worker["circuit"] == "CIRCUIT_STATE_CLOSED"
+            assert int(worker["pid"]) == proc.pid
+            assert {"running", "waiting", "in_flight", "kv_cache_usage", "degraded"} <= set(worker)
 
 
 def test_sigterm_lets_an_http_stream_in_flight_finish(tiny_deepseek_dir: Path, tmp_path: Path) -> None:
