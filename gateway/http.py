@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import propagate, trace
 
 from gateway.core import Deadline, GatewayCore
 from gateway.settings import GatewaySettings
 from gateway.types import ChatTurn, Completion, GenerateCall, ModelMeta, Sampling, TextDelta
 from services.common.errors import InvalidArgument, LlmeshError, NotFound, map_exception
+from services.common.tracing import tracer
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +326,27 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def traced(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """One server span per HTTP request, continuing the caller's W3C ``traceparent`` as the
+    gRPC interceptor does; the core's spans (and every tier below) hang off it."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else request.path
+    parent = propagate.extract(request.headers)
+    with tracer().start_as_current_span(
+        f"{request.method} {route}", context=parent, kind=trace.SpanKind.SERVER
+    ) as span:
+        span.set_attribute("http.request.method", request.method)
+        span.set_attribute("http.route", route)
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(trace.Status(trace.StatusCode.ERROR))
+        return response
+
+
+@web.middleware
 async def openai_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
@@ -347,7 +370,7 @@ async def openai_errors(
 
 
 def build_app(core: GatewayCore) -> web.Application:
-    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[openai_errors])
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[traced, openai_errors])
     app[CORE_KEY] = core
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

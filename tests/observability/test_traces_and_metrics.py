@@ -70,7 +70,7 @@ def traced_mesh(receiver, tiny_deepseek_dir: Path, tmp_path_factory) -> Iterator
     _, port = receiver
     config = MeshConfig(
         model=str(tiny_deepseek_dir),
-        gateway={"port": free_port(), "http_port": -1, "settings": {"drain_seconds": 0}},
+        gateway={"port": free_port(), "http_port": free_port(), "settings": {"drain_seconds": 0}},
         router=RouterConfig(zones=["zone-a"]),
         workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 2})],
         otel=OtelConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}"),
@@ -171,6 +171,44 @@ def _sum(samples: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in key for k, v in labels.items()):
             total += value
     return total
+
+
+async def test_http_requests_continue_the_clients_trace(receiver, traced_mesh):
+    """The OpenAI-compatible surface continues a traceparent header like the gRPC API."""
+    import json
+
+    rec, _ = receiver
+    url = traced_mesh.http_url() + "/v1/completions"
+    for stream in (False, True):
+        trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+        body = json.dumps({"model": "", "prompt": "trace me over http", "max_tokens": 4,
+                           "stream": stream}).encode()
+        req = urllib.request.Request(url, data=body, method="POST", headers={
+            "content-type": "application/json", "traceparent": f"00-{trace_id}-{client_span}-01",
+        })
+
+        def send(req: urllib.request.Request = req) -> int:
+            with urllib.request.urlopen(req, timeout=30) as reply:
+                reply.read()
+                return int(reply.status)
+
+        assert await asyncio.to_thread(send) == 200
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with rec.lock:
+                mine = [s for s in rec.spans if s["trace_id"] == trace_id]
+            if {str(s["service"]) for s in mine} >= {f"llmesh-{t}" for t in TIERS} and any(
+                s["name"] == "POST /v1/completions" for s in mine
+            ):
+                break
+            await asyncio.sleep(0.5)
+        services = {str(s["service"]) for s in mine}
+        assert services >= {f"llmesh-{t}" for t in TIERS}, (stream, services)
+        (root,) = [s for s in mine if s["name"] == "POST /v1/completions"]
+        assert root["parent"] == client_span and root["service"] == "llmesh-gateway"
+        assert root["attributes"]["http.response.status_code"].int_value == 200
+        generate = [s for s in mine if s["name"] == "gateway.generate"]
+        assert generate and generate[0]["parent"] == root["span_id"]
 
 
 async def test_metrics_move_by_the_right_amounts(traced_mesh):
