@@ -165,7 +165,9 @@ class VllmEngine:
             waiting = min(s.waiting, max(0, unfinished - running))
             usage = s.kv_cache_usage if unfinished else 0.0
             rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
-        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=usage, prefix_cache_hit_rate=rate)
+            raw_running, raw_waiting = s.running, s.waiting
+        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=usage, prefix_cache_hit_rate=rate,
+                          scheduler_running=raw_running, scheduler_waiting=raw_waiting)
 
     async def check_health(self) -> None:
         try:
