@@ -181,6 +181,8 @@ async def test_postprocessor_killed_mid_stream_same_greedy_text_real_engine(engi
         assert len(moved) == 1
         return moved[0]
 
-    text, final, _ = await _ha_run(engine_channel, carrier)
+    text, final, victim = await _ha_run(engine_channel, carrier)
+    assert victim is not None, "the stream ended before a postprocessor could be killed"
+    victim.popen.wait(10)
     assert final.usage.completion_tokens == 48
     assert text == reference

@@ -85,6 +85,7 @@ VALIDATION_CASES = [
     ({"prompt": "x", "sampling": {"logprobs": 100}}, "sampling.logprobs"),
     ({"prompt": "x", "sampling": {"stop_token_ids": [999999]}}, "sampling.stop_token_ids[0]"),
     ({"messages": [("user", "z" * 100_001)]}, "messages[0].content"),
+    ({"messages": [("user", "hi")] * 257}, "messages"),
     ({"prompt": "hello " * 3000}, "prompt"),
     ({"prompt": "x", "request_id": "bad id with spaces"}, "request_id"),
 ]

@@ -44,3 +44,87 @@ def test_a_tier_whose_port_was_taken_is_restarted_on_another(
     finally:
         mesh.stop()
         squatter.close()
+
+
+def test_llmesh_up_process_serves_reports_status_and_stops_on_ctrl_c(tiny_deepseek_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """`make run`'s last step as a user runs it: `llmesh up`, wait for the endpoints, ask
+    `llmesh status`, generate, then Ctrl-C (SIGINT): exit 0 and no tier left running."""
+    import json
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import yaml
+
+    from llmesh.client import Client
+
+    llmesh = shutil.which("llmesh", path=str(Path(sys.executable).parent)) or shutil.which("llmesh")
+    assert llmesh
+    port = free_port()
+    (tmp_path / "mesh.yaml").write_text(yaml.safe_dump({
+        "model": str(tiny_deepseek_dir),
+        "gateway": {"port": port, "http_port": -1, "settings": {"drain_seconds": 0}},
+        "workers": [{"zone": "zone-a", "engine": "fake", "settings": {"fake_token_delay_ms": 2}}],
+    }))
+    env = {**os.environ, "LLMESH_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([llmesh, "up", "--config", str(tmp_path / "mesh.yaml")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("status:"):
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(180), f"llmesh up did not come up: {''.join(lines)}"
+        assert any(f"gateway 127.0.0.1:{port} (plaintext)" in line for line in lines)
+        status = subprocess.run([llmesh, "status"], env=env, capture_output=True, text=True, timeout=60,
+                                check=True)
+        state = json.loads(status.stdout)
+        tiers = {p["tier"] for p in state["processes"]}
+        assert tiers == {"gateway", "tokenizer", "router", "postprocessor", "worker"}
+        assert all(p["health"] == "SERVING" for p in state["processes"]), state
+        with Client(f"127.0.0.1:{port}", timeout=30) as client:
+            done = client.generate("hello", max_tokens=3)
+        assert done.usage.completion_tokens == 3
+        pids = [int(p["pid"]) for p in state["processes"]]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
+        deadline = time.monotonic() + 20
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if _running(pid)]
+            time.sleep(0.2)
+        assert alive == [], f"tiers still running after Ctrl-C: {alive}"
+        state_file = tmp_path / "home" / "run"
+        assert not any(state_file.glob("*.json")), "llmesh up left its state file behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; it only waits to be reaped by its parent.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
