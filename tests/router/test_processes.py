@@ -164,3 +164,39 @@ def test_llmesh_router_rejects_bad_settings(tmp_path) -> None:  # type: ignore[n
     run = subprocess.run([sys.executable, "-m", "llmesh.cli", "router", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "--batch-max-wait-ms" in run.stdout and "LLMESH_ROUTER_ZONES" in run.stdout
+
+
+async def test_batches_to_a_real_worker_process_are_exact(two_zone_workers: list[TierProcess]) -> None:
+    """Batch calls (GenerateBatch) to a real worker process: every stream gets exactly its
+    own tokens (the fake engine's greedy output for its prompt)."""
+    from prometheus_client import REGISTRY
+
+    from services.worker.fake_engine import FakeModel, fake_greedy
+    from tests.router.procs import ensure_model
+
+    a, _ = two_zone_workers
+    model = FakeModel.from_dir(ensure_model("tiny-deepseek", quiet=True))
+
+    def batched() -> float:
+        count = REGISTRY.get_sample_value("llmesh_router_batch_size_count") or 0.0
+        singles = REGISTRY.get_sample_value("llmesh_router_batch_size_bucket", {"le": "1.0"}) or 0.0
+        return count - singles
+
+    before = batched()
+    rut = await start_router([(a.address, "zone-a")], batch_max_wait_ms=30, batch_max_size=8,
+                             worker_capacity=4, max_queue=64)
+    try:
+        prompts = [[700 + i, 800 + i, 900 + i] for i in range(24)]
+        results = await asyncio.gather(*(_collect(rut, p, 8) for p in prompts))
+        for prompt, tokens in zip(prompts, results, strict=True):
+            assert tokens == fake_greedy(prompt, 8, model)
+        assert batched() > before, "no request went in a batch call: the window never opened"
+    finally:
+        await rut.close()
+
+
+async def _collect(rut: RouterUnderTest, prompt: list[int], n: int) -> list[int]:
+    tokens: list[int] = []
+    async for response in rut.stub.Generate(request(prompt, n), timeout=60):
+        tokens.extend(response.delta.token_ids)
+    return tokens
