@@ -51,6 +51,7 @@ from services.common.errors import (
     NotFound,
     Unavailable,
 )
+from services.common.logs import request_id_var
 from services.common.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ class GatewayCore:
         """Text deltas as the postprocessor releases them, then one Completion."""
         start = time.monotonic()
         request_id = call.request_id or uuid.uuid4().hex
+        request_id_var.set(request_id)  # every log line of this call carries it
         span = tracer().start_span("gateway.generate")
         span.set_attribute("llmesh.request_id", request_id)
         span.set_attribute("llmesh.tenant", tenant.name)
@@ -333,6 +335,13 @@ class GatewayCore:
             else:
                 entry["finish_reason"] = "cancelled" if status == "CANCELLED" else "error"
             self.audit.write(entry)
+            # One line per request in the process log (sizes and outcome, never text),
+            # with this request's id and trace id for correlation with the other tiers.
+            log.info("request %s: %s", entry["finish_reason"], status, extra={"fields": {
+                k: entry[k] for k in ("tenant", "model", "status", "finish_reason", "prompt_chars",
+                                      "output_chars", "duration_ms", "prompt_tokens",
+                                      "completion_tokens", "served_by") if k in entry
+            }})
 
     def next_router(self) -> int:
         self._rr_router = (self._rr_router + 1) % max(1, self.router.replicas)

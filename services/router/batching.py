@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from llmesh.common.v1 import common_pb2
+from services.common.logs import request_id_var
 from services.router.workerapi import WorkerCallError, WorkerClient, WorkerEvent
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,8 @@ class BatchDispatcher:
     async def _run_batch(
         self, batch: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]]
     ) -> None:
+        # This task was created in the first request's context: its logs speak for all.
+        request_id_var.set(",".join(stream.request_id for stream, _, _ in batch))
         streams = {stream.request_id: stream for stream, _, _ in batch}
         deadlines = [deadline for _, _, deadline in batch]
         # One call carries every request: it may live as long as the longest deadline;

@@ -30,6 +30,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.common.logs import request_id_var
 from services.router import metrics
 from services.router.admission import Admission, NoCapacity
 from services.router.batching import AdaptiveWindow, AttemptStream, BatchDispatcher
@@ -384,6 +385,7 @@ class Router:
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._active:
             raise InvalidArgument("request.request_id", f"{request_id!r} is already running")
+        request_id_var.set(request_id)  # log lines of this call carry the request id
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         sampling = request.sampling

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
+from services.common.logs import request_id_var
 from services.worker import metrics
 from services.worker.engine import (
     Engine,
@@ -250,6 +251,7 @@ class WorkerCore:
             self._engine_died("engine is dead")
             raise Unavailable("the engine of this worker is dead")
         rid = req.request_id
+        request_id_var.set(rid)  # this request's log lines carry its id (the task's own context)
         state = _InFlight(rid)
         self._in_flight[rid] = state
         metrics.IN_FLIGHT.set(len(self._in_flight))

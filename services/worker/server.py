@@ -310,7 +310,7 @@ async def start_worker(
 async def serve(settings: WorkerSettings) -> int:
     """The process entry point: serve until a signal or engine death; the exit code."""
     ws = await create_worker_server(settings)
-    print(f"llmesh worker listening on {ws.address}", flush=True)
+    log.info("worker listening on %s", ws.address)
     return await run_worker(ws)
 
 

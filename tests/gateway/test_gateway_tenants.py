@@ -106,3 +106,34 @@ async def test_tokens_per_minute_limit_is_resource_exhausted_with_retry_info(cha
     assert used >= TPM_LIMIT
     # Another tenant is not affected.
     await s.Generate(request(prompt=PROMPT, sampling={"max_tokens": 2}), metadata=bearer(KEYS["plain"]))
+
+
+async def test_logs_are_json_with_request_and_trace_ids_and_never_text(channel, echo_mesh) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import json
+    import os
+
+    s = stub(channel)
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
+    rid = "log-check-" + os.urandom(4).hex()
+    await s.Generate(request(prompt=PROMPT, request_id=rid, sampling={"max_tokens": 8}),
+                     metadata=(*bearer(KEYS["plain"]), ("traceparent", f"00-{trace_id}-{parent}-01")))
+    gateway = next(p for p in echo_mesh.procs if p.tier == "gateway")
+    assert gateway.log_path is not None
+    line = None
+    for _ in range(50):  # the line is written when the call ends
+        lines = [json.loads(raw) for raw in gateway.log_path.read_text().splitlines() if raw.strip()]
+        line = next((entry for entry in lines if entry.get("request_id") == rid), None)
+        if line is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert line is not None, "the gateway logged no line for the request"
+    assert line["level"] == "INFO" and line["trace_id"] == trace_id and line["tier"] == "gateway"
+    assert line["tenant"] == "plain" and line["status"] == "OK" and line["completion_tokens"] == 8
+    for proc in echo_mesh.procs:
+        assert proc.log_path is not None
+        for raw in proc.log_path.read_text().splitlines():
+            if not raw.strip():
+                continue
+            entry = json.loads(raw)  # every line is one JSON object
+            assert EMAIL not in raw and "please write to" not in raw, (proc.name, entry)
