@@ -176,3 +176,23 @@ async def test_audit_log_has_hashes_not_text(fake_channel, fake_mesh):
     assert entry["finish_reason"] == "length"
     assert entry["served_by"]["zone"] == "zone-a"
     assert len(entry["output_sha256"]) == 64
+
+
+async def test_deltas_reach_the_client_as_they_are_produced(fake_channel):
+    """Text is streamed token by token, not held until the end: with the fake engine's
+    5 ms per token, the first delta arrives long before the last one."""
+    import time
+
+    n = 60
+    arrivals: list[float] = []
+    start = time.monotonic()
+    async for item in stub(fake_channel).GenerateStream(
+        stream_request(prompt="stream me", sampling={"max_tokens": n, "ignore_eos": True}),
+        metadata=AUTH, timeout=30,
+    ):
+        if item.HasField("delta"):
+            arrivals.append(time.monotonic() - start)
+    assert len(arrivals) >= n // 2, f"{len(arrivals)} deltas for {n} tokens: output was batched up"
+    # n tokens take at least n * 5 ms to make; the first must not wait for the rest.
+    assert arrivals[-1] - arrivals[0] >= (n - 1) * 0.005 * 0.8
+    assert arrivals[0] < arrivals[-1] / 2
