@@ -257,6 +257,30 @@ async def test_replayed_tokens_continue_exactly_like_an_undisturbed_run(mesh: Me
     assert final.completion_tokens == n - k
 
 
+async def test_prefix_cache_reports_cached_tokens_and_engine_timings(mesh: Mesh) -> None:
+    """The final message carries what the engine measured: a repeated long prompt is served
+    from vLLM's prefix cache (cached_tokens > 0, hit rate in the load report), and queue
+    time and TTFT are the engine's own figures."""
+    case = mesh.smollm
+    channel, stub = stub_for(case)
+    prompt = [1000 + (i * 37) % 20000 for i in range(320)]
+    async with channel:
+        finals = []
+        for i in range(2):
+            async for msg in stub.Generate(worker_pb2.GenerateRequest(
+                request=greedy(f"prefix-{i}", prompt, max_tokens=4, ignore_eos=True)), timeout=120):
+                if msg.HasField("final"):
+                    finals.append(msg.final)
+        first, second = finals
+        assert first.prompt_tokens == second.prompt_tokens == len(prompt)
+        assert first.cached_tokens < len(prompt) // 2
+        assert second.cached_tokens >= len(prompt) // 2, second
+        for final in finals:
+            assert final.queue_ms >= 0 and final.ttft_ms > 0 and final.completion_tokens == 4
+        load = await load_of(stub)
+        assert 0 < load.prefix_cache_hit_rate <= 1
+
+
 async def test_batch_returns_n_correct_streams(mesh: Mesh) -> None:
     case = mesh.deepseek
     channel, stub = stub_for(case)
