@@ -33,16 +33,18 @@ def spawn_fake_worker(
 
 def spawn_real_worker(
     name: str, zone: str, cpu: str, *, model_name: str = "tiny-deepseek", dtype: str = "auto",
+    netns: str = "", host: str = "127.0.0.1",
 ) -> TierProcess:
-    """A real vLLM CPU worker (tiny DeepSeek by default), pinned to one core."""
+    """A real vLLM CPU worker (tiny DeepSeek by default), pinned to one core; with
+    ``netns`` it runs inside that network namespace, listening on ``host``."""
     model = ensure_model(model_name, quiet=True)
-    port = free_port()
+    port = free_port() if not netns else 50051
     return spawn_tier(
         name, "worker",
-        ["--model", str(model), "--zone", zone, "--worker-id", name, "--port", str(port),
+        ["--model", str(model), "--zone", zone, "--worker-id", name, "--host", host, "--port", str(port),
          "--enforce-eager", "--cpu-kvcache-space-gb", "1", "--cpu-omp-threads-bind", cpu,
          "--max-num-seqs", "8", "--max-model-len", "1024", "--drain-seconds", "0", "--dtype", dtype,
          "--log-format", "text"],
-        address=f"127.0.0.1:{port}", service=WORKER_SERVICE, log_dir=LOG_DIR, zone=zone,
+        address=f"{host}:{port}", service=WORKER_SERVICE, log_dir=LOG_DIR, zone=zone, netns=netns,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu},
     )

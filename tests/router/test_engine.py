@@ -40,7 +40,9 @@ def real_workers() -> Iterator[list[TierProcess]]:
 
 
 PROMPT = [1, 100, 200, 300, 400, 500, 600, 700]
-N = 160
+# Long enough that the victim is still generating when it is killed: a starved worker
+# frontend hands tokens on in bursts, so the client may see token 1 late.
+N = 320
 
 
 async def _generate(rut, kill_after: int = 0, victim: TierProcess | None = None):  # type: ignore[no-untyped-def]
@@ -70,7 +72,7 @@ async def test_kill_9_of_a_real_worker_mid_stream_gives_the_same_greedy_text(
         undisturbed, final = await _generate(rut)
         assert len(undisturbed) == N and final.served_by.worker_id == "rw-a"
         assert final.served_by.device == "cpu" and not final.served_by.degraded
-        tokens, final = await _generate(rut, kill_after=20, victim=a)
+        tokens, final = await _generate(rut, kill_after=1, victim=a)
         # SIGKILL is delivered asynchronously: a large process may still be exiting.
         a.popen.wait(10)
         assert final.served_by.worker_id == "rw-b" and final.served_by.resumed == 1
