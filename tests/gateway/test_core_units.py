@@ -1,0 +1,85 @@
+"""The gateway core without servers: sampling defaults, and refusing a tokenizer replica
+whose checksum is not the model's."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.core import Deadline, GatewayCore, _to_engine_sampling
+from gateway.server import build_core
+from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant, TenantRegistry
+from gateway.types import ChatTurn, Encoded, GenerateCall, ModelMeta, Sampling
+from services.common.errors import Unavailable
+
+
+def test_unset_temperature_takes_the_default_and_stops_are_left_to_the_postprocessor() -> None:
+    call = GenerateCall(prompt="x", sampling=Sampling(stop=["END"]))
+    out = _to_engine_sampling(call, 16, 0.0)
+    assert out.sampling.temperature == 0.0
+    assert out.sampling.max_tokens == 16
+    assert out.sampling.stop == []
+    assert call.sampling.temperature is None  # the caller's call is not modified
+
+
+def test_an_explicit_temperature_is_kept() -> None:
+    call = GenerateCall(prompt="x", sampling=Sampling(temperature=0.7))
+    assert _to_engine_sampling(call, 16, 0.0).sampling.temperature == 0.7
+
+
+def test_no_default_leaves_temperature_to_the_engine() -> None:
+    call = GenerateCall(prompt="x")
+    assert _to_engine_sampling(call, 16, None).sampling.temperature is None
+
+
+async def test_settings_map_a_negative_default_temperature_to_the_engines() -> None:
+    for value, expected in ((None, 0.0), (-1.0, None), (0.8, 0.8)):
+        settings = GatewaySettings() if value is None else GatewaySettings(default_temperature=value)
+        core, tiers, _ = build_core(settings)
+        try:
+            assert core.config.default_temperature == expected
+        finally:
+            for tier in tiers:
+                await tier.close()
+
+
+class _TokenizerReplicas:
+    """A tokenizer tier whose replica that encodes loaded another tokenizer than the one
+    that listed the models (a half-finished rollout)."""
+
+    def __init__(self, listed: str, encoding: str) -> None:
+        self.listed, self.encoding = listed, encoding
+
+    async def list_models(self, *, timeout: float | None) -> list[ModelMeta]:
+        return [ModelMeta(id="m", max_context_length=2048, tokenizer_checksum=self.listed, is_default=True)]
+
+    async def encode(self, model: str, prompt: str, messages: list[ChatTurn], *,
+                     add_generation_prompt: bool | None, timeout: float | None) -> Encoded:
+        return Encoded(model=model, token_ids=[1, 2, 3], tokenizer_checksum=self.encoding)
+
+
+class _NoTier:
+    replicas = 1
+
+    def generate(self, *args: object, **kwargs: object) -> object:
+        raise AssertionError("a request with a mismatched tokenizer must not reach the router")
+
+    async def open(self, *args: object, **kwargs: object) -> object:
+        raise AssertionError("a request with a mismatched tokenizer must not reach the postprocessor")
+
+    async def abort(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+async def test_a_tokenizer_replica_with_another_checksum_is_refused() -> None:
+    """Token ids from a tokenizer other than the model's would make the workers generate
+    garbage: the gateway answers UNAVAILABLE before anything reaches the router."""
+    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-b"), _NoTier(), _NoTier(),  # type: ignore[arg-type]
+                       tenants=TenantRegistry([]))
+    with pytest.raises(Unavailable, match="checksum"):
+        await core.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
+    same = GatewayCore(_TokenizerReplicas("sha-a", "sha-a"), _NoTier(), _NoTier(),  # type: ignore[arg-type]
+                       tenants=TenantRegistry([]))
+    # The control: with matching checksums the same request goes on to the tiers.
+    with pytest.raises(AssertionError, match="must not reach the"):
+        await same.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
