@@ -1,26 +1,27 @@
 """Zone failover with real vLLM CPU workers (tiny DeepSeek): a partitioned accelerator
 zone, a stopped worker, the degraded CPU zone, and no zone at all.
 
-zone-a's worker runs in its own network namespace behind a veth pair (10.200.78.0/30,
-which exists only inside this machine); the kunpeng worker (the zone the router marks
+zone-a's worker runs in its own network namespace behind a veth pair
+(tests.chaos.netmesh.ZoneNamespace: a /30 of 10.201.0.0/16, which exists only inside this
+machine); the kunpeng worker (the zone the router marks
 degraded) runs on the host. Each engine is pinned to its own core.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
 
 from llmesh.procs import TierProcess
+from tests.chaos.netmesh import ZoneNamespace
 from tests.router.helpers import RouterUnderTest, start_router, wait_for
 from tests.router.procs import spawn_real_worker
 
@@ -31,41 +32,27 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"),
 ]
 
-HOST_IP, NS_IP = "10.200.78.1", "10.200.78.2"
 OUTPUT_TOKENS = 16
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
-def zones() -> Iterator[tuple[str, TierProcess, TierProcess]]:
-    """(host-side link of zone-a, zone-a worker in its namespace, kunpeng worker on the host)."""
-    tag = uuid.uuid4().hex[:6]
-    ns, host_link, ns_link = f"llmz-{tag}", f"vzh{tag}", f"vzn{tag}"
+def zones() -> Iterator[tuple[ZoneNamespace, TierProcess, TierProcess]]:
+    """(zone-a's namespace, zone-a worker in it, kunpeng worker on the host)."""
+    ns = ZoneNamespace(tag=(os.getpid() + 2) % 100_000)  # apart from the other netns tests
     procs: list[TierProcess] = []
     try:
-        ip("netns", "add", ns)
-        ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
-        ip("link", "set", ns_link, "netns", ns)
-        ip("addr", "add", f"{HOST_IP}/30", "dev", host_link)
-        ip("link", "set", host_link, "up")
-        ip("-n", ns, "addr", "add", f"{NS_IP}/30", "dev", ns_link)
-        ip("-n", ns, "link", "set", ns_link, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
-        procs = [spawn_real_worker("ez-a", "zone-a", "0", netns=ns, host=NS_IP),
+        ns.create()
+        procs = [spawn_real_worker("ez-a", "zone-a", "0", netns=ns.name, host=ns.ns_ip),
                  spawn_real_worker("ez-cpu", "kunpeng", "1")]
         for proc in procs:
             proc.wait_serving(240)
-        yield host_link, procs[0], procs[1]
+        yield ns, procs[0], procs[1]
     finally:
         for proc in procs:
             if proc.alive():
                 os.kill(proc.pid, signal.SIGCONT)
             proc.stop(10)
-        subprocess.run(["ip", "link", "del", host_link], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        ns.delete()
 
 
 class Load:
@@ -98,17 +85,27 @@ class Load:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def test_zone_cut_fails_over_to_the_degraded_cpu_zone_and_back(zones) -> None:  # type: ignore[no-untyped-def]
-    link, a, cpu = zones
+@contextlib.asynccontextmanager
+async def router_under_load(a: TierProcess, cpu: TierProcess) -> AsyncIterator[tuple[RouterUnderTest, Load]]:
+    """A router over both zones with the load running (and a few requests served)."""
     rut = await start_router([(a.address, "zone-a"), (cpu.address, "kunpeng")])
     load = Load(rut)
     try:
         await wait_for(lambda: len(load.served) >= 3, timeout=60)
+        yield rut, load
+    finally:
+        await load.stop()
+        await rut.close()
+
+
+async def test_zone_cut_fails_over_to_the_degraded_cpu_zone_and_back(zones) -> None:  # type: ignore[no-untyped-def]
+    ns, a, cpu = zones
+    async with router_under_load(a, cpu) as (rut, load):
         assert {z for _, z, _ in load.served} == {"zone-a"}
         assert not any(d for _, _, d in load.served)
         state = rut.router.registry.workers[a.address]
         down_at = time.monotonic()
-        ip("link", "set", link, "down")
+        ns.cut()
         try:
             await wait_for(lambda: not state.routable(), timeout=10, interval=0.01)
             ejected = time.monotonic() - down_at
@@ -123,21 +120,15 @@ async def test_zone_cut_fails_over_to_the_degraded_cpu_zone_and_back(zones) -> N
             assert all(z == "kunpeng" and d for z, d in after), after  # degraded=true on the CPU zone
         finally:
             up_at = time.monotonic()
-            ip("link", "set", link, "up")
+            ns.restore()
         await wait_for(lambda: "zone-a" in load.zones_since(up_at), timeout=30)
         print(f"real engines: zone-a ejected {ejected:.2f}s after the cut; {len(load.served)} requests")
-    finally:
-        await load.stop()
-        await rut.close()
     assert load.failures == []
 
 
 async def test_sigstopped_real_worker_is_ejected_and_serves_again_after_sigcont(zones) -> None:  # type: ignore[no-untyped-def]
     _, a, cpu = zones
-    rut = await start_router([(a.address, "zone-a"), (cpu.address, "kunpeng")])
-    load = Load(rut)
-    try:
-        await wait_for(lambda: len(load.served) >= 3, timeout=60)
+    async with router_under_load(a, cpu) as (rut, load):
         state = rut.router.registry.workers[a.address]
         stopped_at = time.monotonic()
         os.kill(a.pid, signal.SIGSTOP)
@@ -149,19 +140,16 @@ async def test_sigstopped_real_worker_is_ejected_and_serves_again_after_sigcont(
         resumed_at = time.monotonic()
         await wait_for(lambda: state.routable(), timeout=30)
         await wait_for(lambda: "zone-a" in load.zones_since(resumed_at), timeout=30)
-    finally:
-        await load.stop()
-        await rut.close()
     assert load.failures == []
 
 
 async def test_with_no_zone_left_the_answer_is_unavailable(zones) -> None:  # type: ignore[no-untyped-def]
-    link, a, cpu = zones
+    ns, a, cpu = zones
     rut = await start_router([(a.address, "zone-a"), (cpu.address, "kunpeng")])
     try:
         tokens, final = await rut.generate([1, 2, 3], 4, timeout=60, ignore_eos=True)
         assert final.served_by.zone == "zone-a" and len(tokens) == 4
-        ip("link", "set", link, "down")
+        ns.cut()
         os.kill(cpu.pid, signal.SIGSTOP)
         try:
             await wait_for(lambda: not any(w.routable() for w in rut.router.registry), timeout=15,
@@ -172,7 +160,7 @@ async def test_with_no_zone_left_the_answer_is_unavailable(zones) -> None:  # ty
             assert "no zone can serve" in (err.value.details() or "")
         finally:
             os.kill(cpu.pid, signal.SIGCONT)
-            ip("link", "set", link, "up")
+            ns.restore()
         await wait_for(lambda: all(w.routable() for w in rut.router.registry), timeout=30)
         _, final = await rut.generate([1, 2, 3], 4, timeout=60, ignore_eos=True)
         assert final.served_by.zone == "zone-a"

@@ -1,6 +1,7 @@
 """Zone partition through a network namespace: one zone's worker behind a veth pair.
 
-Needs root and ``ip``; uses 10.200.77.0/30, which exists only inside this machine.
+Needs root and ``ip``; the namespace is tests.chaos.netmesh.ZoneNamespace (a /30 of 10.201.0.0/16,
+which exists only inside this machine).
 """
 
 from __future__ import annotations
@@ -8,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from llmesh.procs import TierProcess
 from services.router.settings import RouterSettings
+from tests.chaos.netmesh import ZoneNamespace
 from tests.router.helpers import start_router, wait_for
 from tests.router.procs import spawn_fake_worker
 
@@ -28,36 +28,20 @@ pytestmark = [
     ),
 ]
 
-HOST_IP, NS_IP = "10.200.77.1", "10.200.77.2"
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
-def partitioned_zone() -> Iterator[tuple[str, TierProcess]]:
-    """A zone-a worker inside its own netns; yields (host-side link name, worker)."""
-    tag = uuid.uuid4().hex[:6]
-    ns, host_link, ns_link = f"llmr-{tag}", f"vrh{tag}", f"vrn{tag}"
+def partitioned_zone() -> Iterator[tuple[ZoneNamespace, TierProcess]]:
+    """A zone-a worker inside its own netns; yields (the namespace, the worker)."""
+    ns = ZoneNamespace(tag=(os.getpid() + 1) % 100_000)  # not the chaos suite's namespace
     proc: TierProcess | None = None
     try:
-        ip("netns", "add", ns)
-        ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
-        ip("link", "set", ns_link, "netns", ns)
-        ip("addr", "add", f"{HOST_IP}/30", "dev", host_link)
-        ip("link", "set", host_link, "up")
-        ip("-n", ns, "addr", "add", f"{NS_IP}/30", "dev", ns_link)
-        ip("-n", ns, "link", "set", ns_link, "up")
-        ip("-n", ns, "link", "set", "lo", "up")
-        proc = spawn_fake_worker("ns-a", "zone-a", delay_ms=10, netns=ns, host=NS_IP)
+        ns.create()
+        proc = spawn_fake_worker("ns-a", "zone-a", delay_ms=10, netns=ns.name, host=ns.ns_ip)
         proc.wait_serving(60)
-        yield host_link, proc
+        yield ns, proc
     finally:
         if proc is not None:
             proc.kill()
-        subprocess.run(["ip", "link", "del", host_link], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        ns.delete()
 
 
 @pytest.fixture
@@ -71,9 +55,9 @@ def zone_b_worker() -> Iterator[TierProcess]:
 
 
 async def test_link_down_moves_traffic_to_next_zone_without_failures(
-    partitioned_zone: tuple[str, TierProcess], zone_b_worker: TierProcess
+    partitioned_zone: tuple[ZoneNamespace, TierProcess], zone_b_worker: TierProcess
 ) -> None:
-    link, a = partitioned_zone
+    ns, a = partitioned_zone
     # The production poll deadline (RouterSettings.load_timeout_ms), not the tests' generous
     # one: the 1 s failover promise is made for the shipped settings.
     rut = await start_router([(a.address, "zone-a"), (zone_b_worker.address, "zone-b")],
@@ -99,7 +83,7 @@ async def test_link_down_moves_traffic_to_next_zone_without_failures(
         assert {zone for _, zone, _ in served} == {"zone-a"}
         state = rut.router.registry.workers[a.address]
         down_at = time.monotonic()
-        ip("link", "set", link, "down")
+        ns.cut()
         await wait_for(lambda: not state.routable(), timeout=10, interval=0.01)
         ejected = time.monotonic() - down_at
         # The failover deadline the design promises (not a speed benchmark): a missed load
@@ -111,7 +95,7 @@ async def test_link_down_moves_traffic_to_next_zone_without_failures(
         settled = time.monotonic() - 0.5
         assert all(z == "zone-b" for t, z, _ in served if t > settled)
         up_at = time.monotonic()
-        ip("link", "set", link, "up")
+        ns.restore()
         await wait_for(lambda: any(t > up_at and z == "zone-a" for t, z, _ in served), timeout=15)
         back = next(t for t, z, _ in served if t > up_at and z == "zone-a") - up_at
         moved = next(t for t, z, _ in served if t > down_at and z == "zone-b") - down_at
