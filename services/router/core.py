@@ -339,9 +339,7 @@ class Router:
             raise Unavailable(f"no zone can serve model {model!r} (no healthy worker)")
         worker = choice.worker
         worker.in_flight += 1
-        # The gauge moves with the count itself, not at the next load poll: a scrape right
-        # after dispatch must show the request (autoscalers and `llmesh status` read it).
-        metrics.WORKER_IN_FLIGHT.labels(worker.worker_id, worker.zone).set(worker.in_flight)
+        _export_in_flight(worker)
         worker.breaker.on_dispatch()
         return _Attempt(worker, choice.affinity)
 
@@ -350,9 +348,7 @@ class Router:
             return
         attempt.released = True
         attempt.worker.in_flight -= 1
-        metrics.WORKER_IN_FLIGHT.labels(attempt.worker.worker_id, attempt.worker.zone).set(
-            attempt.worker.in_flight
-        )
+        _export_in_flight(attempt.worker)
         self.admission.wake()
 
     def _backoff_s(self, failures: int) -> float:
@@ -571,6 +567,12 @@ def _caller_error(exc: WorkerCallError) -> LlmeshError:
     if exc.kind == "cancelled":
         return Cancelled(exc.message)
     return Unavailable(exc.message)
+
+
+def _export_in_flight(worker: WorkerState) -> None:
+    """The gauge moves with the count itself, not at the next load poll: a scrape right
+    after dispatch must show the request (autoscalers and `llmesh status` read it)."""
+    metrics.WORKER_IN_FLIGHT.labels(worker.worker_id, worker.zone).set(worker.in_flight)
 
 
 def _current_span() -> trace.Span:

@@ -96,10 +96,8 @@ def load_to_proto(report: LoadReport) -> worker_pb2.Load:
         prefix_cache_hit_rate=report.engine.prefix_cache_hit_rate,
         in_flight=report.in_flight,
         max_num_seqs=report.max_num_seqs,
-        scheduler_running=(report.engine.running if report.engine.scheduler_running is None
-                           else report.engine.scheduler_running),
-        scheduler_waiting=(report.engine.waiting if report.engine.scheduler_waiting is None
-                           else report.engine.scheduler_waiting),
+        scheduler_running=report.engine.scheduler_running,
+        scheduler_waiting=report.engine.scheduler_waiting,
     )
 
 

@@ -105,10 +105,10 @@ class EngineLoad:
     """Fraction of KV cache blocks in use, 0..1."""
     prefix_cache_hit_rate: float = 0.0
     """Prefix cache hits / queries since start, 0..1."""
-    scheduler_running: int | None = None
-    """The scheduler's own count as last reported (None: the same as ``running``)."""
-    scheduler_waiting: int | None = None
-    """The scheduler's own count as last reported (None: the same as ``waiting``)."""
+    scheduler_running: int = 0
+    """The scheduler's own count as last reported, not capped by the frontend's view."""
+    scheduler_waiting: int = 0
+    """The scheduler's own count as last reported, not capped by the frontend's view."""
 
 
 @dataclass(frozen=True)

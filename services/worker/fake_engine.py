@@ -144,6 +144,9 @@ class FakeEngine:
             waiting=len(self._waiting),
             kv_cache_usage=min(1.0, len(self._running) / self.max_running),
             prefix_cache_hit_rate=rate,
+            # The fake's counts are exact: its scheduler and its frontend are one.
+            scheduler_running=len(self._running),
+            scheduler_waiting=len(self._waiting),
         )
 
     async def check_health(self) -> None:
