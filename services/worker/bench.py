@@ -68,17 +68,6 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def parse_cpus(text: str) -> set[int]:
-    """``0-2,5`` -> {0, 1, 2, 5}."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    if not cpus:
-        raise ValueError(f"no CPU ids in {text!r}")
-    return cpus
-
-
 def make_prompts(model_dir: Path, n: int, length: int, seed: int = 0) -> list[list[int]]:
     from services.worker.fake_engine import FakeModel
 
@@ -162,17 +151,12 @@ def grpc_request(channel: Any, max_tokens: int) -> OneRequest:
     return one
 
 
-def pin_this_process(cpus: set[int]) -> None:
-    """Every thread of this process (and what it starts later) onto ``cpus``."""
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), cpus)
-
-
 async def run(args: argparse.Namespace, engine_args: dict[str, object],
               prompts: list[list[int]]) -> dict[str, Any]:
     import grpc
 
     from llmesh.procs import free_port, spawn_tier
+    from services.worker.affinity import check_frontend_cpus, pin_process
     from services.worker.servicer import SERVICE_NAME
     from services.worker.vllm_engine import VllmEngine
 
@@ -183,13 +167,16 @@ async def run(args: argparse.Namespace, engine_args: dict[str, object],
                    "--cpu-kvcache-space-gb", str(args.cpu_kvcache_space_gb)]
     if args.omp_threads_bind:
         worker_args += ["--cpu-omp-threads-bind", args.omp_threads_bind]
+    if args.frontend_cpus:
+        worker_args += ["--frontend-cpus", args.frontend_cpus]
     proc = spawn_tier("bench-worker", "worker", worker_args, address=f"127.0.0.1:{port}",
                       service=SERVICE_NAME, log_dir=Path(args.log_dir))
     try:
         proc.wait_serving(timeout=600)
         if args.frontend_cpus:
-            # After both engines started: their processes keep the binding vLLM gave them.
-            pin_this_process(parse_cpus(args.frontend_cpus))
+            # Like the worker does with the same setting: after both engines started, so
+            # their processes keep the binding vLLM gave them.
+            pin_process(check_frontend_cpus(args.frontend_cpus, args.omp_threads_bind))
         async with grpc.aio.insecure_channel(proc.address) as channel:
             modes: dict[str, tuple[OneRequest, list[int]]] = {
                 IN_PROCESS: (in_process_request(engine, args.max_tokens), [os.getpid()]),
@@ -246,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="VLLM_CPU_OMP_THREADS_BIND of both engines (default: vLLM's auto binding, "
                              "which keeps one core for the engine's scheduler and the frontend)")
     parser.add_argument("--frontend-cpus", default="",
-                        help="pin this process and the worker's main process to these CPUs, e.g. 1 "
-                             "(after the engines started; default: not pinned)")
+                        help="the worker's frontend_cpus, and the same pinning for this process "
+                             "(e.g. 1 with --omp-threads-bind 0; default: not pinned)")
     parser.add_argument("--log-dir", default="/tmp/llmesh-worker-bench")
     args = parser.parse_args(argv)
     args.model = args.model.expanduser()

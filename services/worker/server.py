@@ -145,6 +145,10 @@ def check_settings(settings: WorkerSettings) -> None:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {settings.engine!r}")
     if settings.device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {settings.device!r}")
+    if settings.frontend_cpus:
+        from services.worker.affinity import check_frontend_cpus
+
+        check_frontend_cpus(settings.frontend_cpus, settings.cpu_omp_threads_bind)
     for spec in settings.lora_modules:
         if "=" not in spec:
             raise ValueError(f"--lora-modules: {spec!r} is not name=path")
@@ -239,6 +243,10 @@ async def run_worker(ws: WorkerServer) -> int:
 
     async def warmup() -> None:
         ws.engine = await asyncio.to_thread(ws.engine_factory)
+        if settings.frontend_cpus:
+            from services.worker.affinity import parse_cpu_list, pin_process
+
+            pin_process(parse_cpu_list(settings.frontend_cpus))
         if settings.engine == "vllm":
             # The engine's processes must not outlive this one (see watchdog.py).
             from services.worker.watchdog import engine_processes, start_watchdog

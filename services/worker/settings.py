@@ -84,6 +84,9 @@ class WorkerSettings(ServerSettings):
     """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE before the engine starts)."""
     cpu_omp_threads_bind: str = ""
     """CPU only: cores the engine's OpenMP threads bind to, e.g. 0-3 or 0|1 (VLLM_CPU_OMP_THREADS_BIND)."""
+    frontend_cpus: str = ""
+    """Cores for the worker's own serving threads (gRPC, event loop), e.g. 1 or 6-7; set
+    after the engine started, so keep them out of the engine's cores. Empty: not pinned."""
 
     # -- fake engine (engine=fake) -----------------------------------------------------------
     fake_token_delay_ms: float = 5.0

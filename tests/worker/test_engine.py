@@ -91,12 +91,13 @@ def encode(model_dir: Path, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
 
 
-def spawn_worker(case: ModelCase, core: str, log_dir: Path) -> TierProcess:
+def spawn_worker(case: ModelCase, core: str, log_dir: Path, frontend_cpus: str = "") -> TierProcess:
     port = free_port()
+    pin = ["--frontend-cpus", frontend_cpus] if frontend_cpus else []
     return spawn_tier(
         f"worker-{case.name}", "worker",
         ["--model", str(case.model_dir), "--port", str(port), "--zone", f"zone-{case.name}",
-         "--device", "cpu", "--cpu-kvcache-space-gb", "1", "--cpu-omp-threads-bind", core,
+         "--device", "cpu", "--cpu-kvcache-space-gb", "1", "--cpu-omp-threads-bind", core, *pin,
          "--canary-interval-s", "600", "--engine-check-interval-s", "0.2", "--log-format", "text"],
         address=f"127.0.0.1:{port}", service=SERVICE_NAME, log_dir=log_dir,
         env={"VLLM_CPU_OMP_THREADS_BIND": core},
@@ -131,7 +132,10 @@ def mesh(
             [sys.executable, str(REFERENCE_SCRIPT), str(spec_path), str(log_dir / "reference.json")],
             stdout=ref_log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
         )
-    deepseek.proc = spawn_worker(deepseek, "0", log_dir)
+    # The DeepSeek worker also pins its serving threads off its engine's core (onto the
+    # other engine's core: two engines on two cores leave no free one), so every test of
+    # it also runs with frontend_cpus set.
+    deepseek.proc = spawn_worker(deepseek, "0", log_dir, frontend_cpus="1")
     smollm.proc = spawn_worker(smollm, "1", log_dir)
     try:
         deadline = time.monotonic() + 400
@@ -401,6 +405,19 @@ def engine_core_of(pid: int) -> psutil.Process:
     direct = psutil.Process(pid).children(recursive=False)
     assert direct, "the worker has no engine-core child process"
     return direct[0]
+
+
+def test_frontend_threads_are_pinned_and_the_engine_keeps_its_core(mesh: Mesh) -> None:
+    case = mesh.deepseek
+    assert case.proc is not None
+    worker = psutil.Process(case.proc.pid)
+    frontend = {t.id: os.sched_getaffinity(t.id) for t in worker.threads()}
+    assert len(frontend) > 1 and all(cpus == {1} for cpus in frontend.values()), frontend
+    # The engine's processes started before the pinning: the model runner's OpenMP thread
+    # is still bound to core 0, where vLLM put it.
+    engine_threads = [os.sched_getaffinity(t.id) for p in worker.children(recursive=True)
+                      for t in p.threads()]
+    assert {0} in engine_threads, engine_threads
 
 
 def test_killed_engine_core_turns_not_serving_and_exits(mesh: Mesh) -> None:
