@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,8 @@ class RoundResult:
 class ModeResult:
     mode: str
     best: RoundResult
-    round_tok_s: list[float] = field(default_factory=list)
-    frontend_cpu_us_per_token: float = 0.0
+    round_tok_s: list[float]
+    frontend_cpu_us_per_token: float
     """Serving-layer CPU per output token over every round of this mode."""
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmesh.procs import free_port, spawn_tier
+from llmesh.procs import check_health, free_port, spawn_tier
 from services.worker.affinity import check_frontend_cpus, parse_cpu_list
 from services.worker.servicer import SERVICE_NAME
 
@@ -59,8 +59,6 @@ def test_every_serving_thread_is_pinned(tiny_deepseek_dir: Path, tmp_path: Path)
                       address=f"127.0.0.1:{port}", service=SERVICE_NAME, log_dir=tmp_path)
     try:
         proc.wait_serving(timeout=60)
-        from llmesh.procs import check_health
-
         assert check_health(proc.address, SERVICE_NAME) == "SERVING"
         time.sleep(0.2)
         affinities = thread_affinities(proc.pid)

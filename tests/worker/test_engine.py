@@ -34,6 +34,7 @@ from services.worker.server import EXIT_ENGINE_DEAD
 from services.worker.servicer import SERVICE_NAME
 
 from .conftest import generate, token_request
+from .test_affinity import thread_affinities
 
 pytestmark = pytest.mark.engine
 
@@ -410,13 +411,12 @@ def engine_core_of(pid: int) -> psutil.Process:
 def test_frontend_threads_are_pinned_and_the_engine_keeps_its_core(mesh: Mesh) -> None:
     case = mesh.deepseek
     assert case.proc is not None
-    worker = psutil.Process(case.proc.pid)
-    frontend = {t.id: os.sched_getaffinity(t.id) for t in worker.threads()}
+    frontend = thread_affinities(case.proc.pid)
     assert len(frontend) > 1 and all(cpus == {1} for cpus in frontend.values()), frontend
     # The engine's processes started before the pinning: the model runner's OpenMP thread
     # is still bound to core 0, where vLLM put it.
-    engine_threads = [os.sched_getaffinity(t.id) for p in worker.children(recursive=True)
-                      for t in p.threads()]
+    engine_threads = [cpus for p in psutil.Process(case.proc.pid).children(recursive=True)
+                      for cpus in thread_affinities(p.pid).values()]
     assert {0} in engine_threads, engine_threads
 
 
