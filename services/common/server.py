@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.authz import caller_authz_interceptors
 from services.common.channels import (
     MESSAGE_SIZE_OPTIONS,
     SERVER_KEEPALIVE_OPTIONS,
@@ -64,7 +65,9 @@ async def create_server(
     """Build a grpc.aio server with health, reflection and the shared interceptors.
 
     Health starts NOT_SERVING for every service name (readiness) and for "" (liveness)
-    until the caller says otherwise.
+    until the caller says otherwise. An internal tier (router, worker, tokenizer,
+    postprocessor) serving mutual TLS checks each caller's certificate identity against
+    its policy (services/common/authz.py) unless ``settings.authorize_callers`` is off.
     """
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if tracing:
@@ -74,6 +77,12 @@ async def create_server(
     interceptors += list(extra_interceptors)
     # Error mapping is innermost so tracing and auth see the mapped status.
     interceptors.append(ErrorMappingInterceptor(tier))
+    # Inside error mapping: a refusal is a PermissionDenied, mapped and counted like any
+    # other status. Internal tiers with mutual TLS only (see authz.py).
+    interceptors += caller_authz_interceptors(
+        tier, mutual_tls=settings.mutual_tls, enabled=settings.authorize_callers,
+        caller_identities=settings.caller_identities,
+    )
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[*SERVER_KEEPALIVE_OPTIONS, *MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -55,6 +55,15 @@ class ServerSettings(BaseSettings):
     """Client certificate (PEM) presented to downstream servers (mutual TLS)."""
     downstream_tls_key: str = ""
     """Client private key (PEM) for downstream calls."""
+    authorize_callers: bool = True
+    """With mutual TLS (--tls-client-ca), allow each method of an internal tier only to the
+    roles its policy names (routers, tokenizers, postprocessors: the gateway; workers: the
+    router; read-only introspection also the operator), recognised by a URI SAN of the
+    caller's certificate (services/common/authz.py). Health and reflection stay open."""
+    caller_identities: dict[str, list[str]] = Field(default_factory=dict)
+    """Identities (certificate URI SANs, e.g. SPIFFE IDs) per caller role (gateway, router,
+    operator, ...); a role not named keeps spiffe://llmesh.local/tier/<role>
+    (operator: spiffe://llmesh.local/operator), as issued by `llmesh certs`."""
     grace_seconds: float = 5.0
     """On SIGTERM, how long in-flight calls may take to finish before they are cancelled."""
     drain_seconds: float = 1.0
@@ -65,6 +74,19 @@ class ServerSettings(BaseSettings):
     """Log format: json (one object per line) or text."""
     service_name: str = ""
     """OpenTelemetry service.name; empty uses OTEL_SERVICE_NAME or llmesh-<tier>."""
+
+    @field_validator("caller_identities", mode="before")
+    @classmethod
+    def _one_identity_is_a_list(cls, value: Any) -> Any:
+        # {"gateway": "spiffe://..."} is the common case; accept it for a one-item list.
+        if isinstance(value, dict):
+            return {role: [ids] if isinstance(ids, str) else ids for role, ids in value.items()}
+        return value
+
+    @property
+    def mutual_tls(self) -> bool:
+        """The server requires client certificates (so callers have an identity)."""
+        return bool(self.tls_cert and self.tls_client_ca)
 
     @property
     def server_tls(self) -> TlsSettings | None:
