@@ -1,12 +1,22 @@
-"""``llmesh certs``: a development CA with a server and a client certificate.
+"""``llmesh certs``: a development CA with one certificate per tier, client and operator.
 
 Writes to ``${LLMESH_HOME:-~/.cache/llmesh}/certs/`` (or ``--out``):
 
 - ``ca.pem`` - the self-signed CA (give it to clients as ``--ca`` and to servers as the
   client CA for mutual TLS);
-- ``server.pem`` / ``server-key.pem`` - serverAuth certificate for ``localhost``,
-  ``127.0.0.1``, ``::1`` and every ``--san``;
-- ``client.pem`` / ``client-key.pem`` - clientAuth certificate with CN ``--client-cn``.
+- ``<tier>.pem`` / ``<tier>-key.pem`` for gateway, router, worker, tokenizer and
+  postprocessor - each serves (serverAuth, for ``localhost``, ``127.0.0.1``, ``::1`` and
+  every ``--san``) and dials (clientAuth) as that tier, with the tier's identity as a URI
+  SAN, ``spiffe://llmesh.local/tier/<tier>``: internal servers allow a caller by it (only
+  gateways call routers, tokenizers and postprocessors; only routers call workers);
+- ``client.pem`` / ``client-key.pem`` - clientAuth certificate for the gateway's clients,
+  CN ``--client-cn``, identity ``spiffe://llmesh.local/client/<cn>``: it opens the gateway
+  (which still wants an API key) and no internal tier;
+- ``operator.pem`` / ``operator-key.pem`` - clientAuth, identity
+  ``spiffe://llmesh.local/operator``: ``llmesh status`` and other read-only introspection
+  (router ListWorkers, worker GetLoad/GetModelInfo, tokenizer ListModels), never Generate;
+- ``server.pem`` / ``server-key.pem`` - a serverAuth certificate with no tier identity, for
+  a single server outside the mesh (kept for setups made before per-tier certificates).
 
 Keys are EC P-256 (``--key-type rsa`` for RSA 2048), written with mode 0600. Existing
 files are never overwritten without ``--force``. For development only: the CA key is not
@@ -29,6 +39,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmesh.home import certs_dir
+from services.common.authz import OPERATOR_IDENTITY, client_identity, tier_identity
+
+TIERS: tuple[str, ...] = ("gateway", "router", "worker", "tokenizer", "postprocessor")
+"""Tiers that get a certificate of their own."""
 
 CERT_FILES: dict[str, str] = {
     "ca": "ca.pem",
@@ -36,6 +50,10 @@ CERT_FILES: dict[str, str] = {
     "server_key": "server-key.pem",
     "client_cert": "client.pem",
     "client_key": "client-key.pem",
+    "operator_cert": "operator.pem",
+    "operator_key": "operator-key.pem",
+    **{f"{tier}_{kind}": f"{tier}{suffix}.pem"
+       for tier in TIERS for kind, suffix in (("cert", ""), ("key", "-key"))},
 }
 """Key in the returned mapping -> file name."""
 
@@ -44,15 +62,24 @@ DEFAULT_SANS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 
+def identity_files(paths: dict[str, Path], identity: str) -> tuple[Path, Path]:
+    """``(certificate, key)`` of ``identity`` (a tier, ``client`` or ``operator``)."""
+    return paths[f"{identity}_cert"], paths[f"{identity}_key"]
+
+
 class CertificatesExistError(FileExistsError):
     """Some of the files are already there and ``force`` was not given."""
 
-    def __init__(self, existing: list[Path]) -> None:
+    def __init__(self, existing: list[Path], missing: list[Path] | None = None) -> None:
         self.existing = existing
+        self.missing = missing or []
         names = ", ".join(p.name for p in existing)
-        super().__init__(
-            f"{existing[0].parent} already holds {names}; not overwriting (use --force to replace them)"
-        )
+        message = f"{existing[0].parent} already holds {names}; not overwriting"
+        if self.missing:
+            # Typically a set made before per-tier certificates existed.
+            message += (f" although {', '.join(p.name for p in self.missing)} are missing"
+                        " (an older or partial set)")
+        super().__init__(f"{message} (use --force to replace them)")
 
 
 def dev_cert_paths(out_dir: str | Path | None = None) -> dict[str, Path]:
@@ -96,8 +123,9 @@ def _leaf(
     key: PrivateKey,
     ca_key: PrivateKey,
     ca_cert: x509.Certificate,
-    eku: x509.ObjectIdentifier,
+    eku: Sequence[x509.ObjectIdentifier],
     sans: Sequence[str],
+    uris: Sequence[str] = (),
     not_before: dt.datetime,
     not_after: dt.datetime,
 ) -> x509.Certificate:
@@ -116,16 +144,15 @@ def _leaf(
         .add_extension(
             _key_usage(key_encipherment=isinstance(key, rsa.RSAPrivateKey)), critical=True
         )
-        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(list(eku)), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
     )
-    if sans:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([_san_entry(s) for s in sans]), critical=False
-        )
+    names = [*(_san_entry(s) for s in sans), *(x509.UniformResourceIdentifier(u) for u in uris)]
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return builder.sign(ca_key, hashes.SHA256())
 
 
@@ -147,11 +174,12 @@ def write_dev_certs(
     force: bool = False,
     key_type: str = "ec",
 ) -> dict[str, Path]:
-    """Write a development CA, server and client certificate; return their paths.
+    """Write a development CA and its certificates; return their paths.
 
-    Keys of the result: ``ca``, ``server_cert``, ``server_key``, ``client_cert``,
-    ``client_key``. The server certificate covers localhost, 127.0.0.1, ::1 and ``sans``
-    (IP addresses become IP SANs, anything else DNS SANs). Raises
+    Keys of the result: ``ca``; ``<name>_cert`` and ``<name>_key`` for ``server``,
+    ``client``, ``operator`` and each tier of :data:`TIERS` (see the module docstring for
+    what each certificate is for). Server certificates cover localhost, 127.0.0.1, ::1 and
+    ``sans`` (IP addresses become IP SANs, anything else DNS SANs). Raises
     :class:`CertificatesExistError` (a ``FileExistsError``) before touching anything if
     any of the files exists and ``force`` is false.
     """
@@ -189,29 +217,18 @@ def write_dev_certs(
         .sign(ca_key, hashes.SHA256())
     )
 
-    all_sans = list(dict.fromkeys([*DEFAULT_SANS, *(s.strip() for s in sans if s.strip())]))
-    server_key = _new_key(key_type)
-    server_cert = _leaf(
-        common_name="localhost",
-        key=server_key,
-        ca_key=ca_key,
-        ca_cert=ca_cert,
-        eku=ExtendedKeyUsageOID.SERVER_AUTH,
-        sans=all_sans,
-        not_before=not_before,
-        not_after=not_after,
-    )
-    client_key = _new_key(key_type)
-    client_cert = _leaf(
-        common_name=client_cn,
-        key=client_key,
-        ca_key=ca_key,
-        ca_cert=ca_cert,
-        eku=ExtendedKeyUsageOID.CLIENT_AUTH,
-        sans=(),
-        not_before=not_before,
-        not_after=not_after,
-    )
+    server_sans = list(dict.fromkeys([*DEFAULT_SANS, *(s.strip() for s in sans if s.strip())]))
+    serve = ExtendedKeyUsageOID.SERVER_AUTH
+    dial = ExtendedKeyUsageOID.CLIENT_AUTH
+    # name -> (common name, extended key usages, DNS/IP SANs, URI SANs)
+    leaves: dict[str, tuple[str, list[x509.ObjectIdentifier], list[str], list[str]]] = {
+        "server": ("localhost", [serve], server_sans, []),
+        "client": (client_cn, [dial], [], [client_identity(client_cn)]),
+        "operator": ("llmesh-operator", [dial], [], [OPERATOR_IDENTITY]),
+        # A tier serves its callers and dials the tiers below with the same certificate.
+        **{tier: (f"llmesh-{tier}", [serve, dial], server_sans, [tier_identity(tier)])
+           for tier in TIERS},
+    }
 
     def pem_key(key: PrivateKey) -> bytes:
         return key.private_bytes(
@@ -221,10 +238,15 @@ def write_dev_certs(
         )
 
     _write(paths["ca"], ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(paths["server_key"], pem_key(server_key), 0o600)
-    _write(paths["server_cert"], server_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(paths["client_key"], pem_key(client_key), 0o600)
-    _write(paths["client_cert"], client_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for name, (common_name, eku, dns_ip, uris) in leaves.items():
+        key = _new_key(key_type)
+        cert = _leaf(
+            common_name=common_name, key=key, ca_key=ca_key, ca_cert=ca_cert, eku=eku,
+            sans=dns_ip, uris=uris, not_before=not_before, not_after=not_after,
+        )
+        cert_path, key_path = identity_files(paths, name)
+        _write(key_path, pem_key(key), 0o600)
+        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return paths
 
 
@@ -240,12 +262,16 @@ def ensure_dev_certs(
 
     Meant for ``llmesh up``: a second start reuses the certificates clients already trust.
     An existing set is returned as is (its SANs are not compared with ``sans``). A partial
-    set (some files missing) raises :class:`CertificatesExistError` rather than mixing old
-    and new material; fix it with ``llmesh certs --force``.
+    set (some files missing, e.g. one written before per-tier certificates) raises
+    :class:`CertificatesExistError` naming the missing files rather than mixing old and
+    new material; fix it with ``llmesh certs --force``.
     """
     paths = dev_cert_paths(out_dir)
-    if all(p.exists() for p in paths.values()):
+    existing = [p for p in paths.values() if p.exists()]
+    if len(existing) == len(paths):
         return paths
+    if existing:
+        raise CertificatesExistError(existing, [p for p in paths.values() if not p.exists()])
     return write_dev_certs(out_dir, sans=sans, client_cn=client_cn, days=days, key_type=key_type)
 
 
@@ -253,9 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmesh certs",
         description=(
-            "Write a development CA with a server and a client certificate "
-            "(ca.pem, server.pem, server-key.pem, client.pem, client-key.pem). "
-            "For development and tests only."
+            "Write a development CA and certificates: one per tier (gateway.pem, router.pem, "
+            "worker.pem, tokenizer.pem, postprocessor.pem, each with its identity "
+            "spiffe://llmesh.local/tier/<tier> as a URI SAN), client.pem for the gateway's "
+            "clients (opens no internal tier), operator.pem for `llmesh status`, and "
+            "server.pem (no identity); keys in <name>-key.pem. For development and tests only."
         ),
     )
     parser.add_argument(
@@ -269,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME",
-        help="extra server name or IP address (repeatable; localhost, 127.0.0.1, ::1 are always in)",
+        help="extra server name or IP address for every serving certificate (repeatable; "
+        "localhost, 127.0.0.1, ::1 are always in)",
     )
     parser.add_argument(
         "--client-cn", default="llmesh-client", help="common name of the client certificate"

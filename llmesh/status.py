@@ -26,14 +26,18 @@ def _alive(pid: int) -> bool:
 
 
 def _credentials(state: dict[str, object]) -> grpc.ChannelCredentials | None:
+    """TLS credentials for the mesh in ``state``. Under mutual TLS this is the operator's
+    certificate (operator.pem, identity spiffe://llmesh.local/operator): internal tiers
+    allow it health checks and read-only introspection such as the router's ListWorkers,
+    and nothing that serves or aborts requests (client.pem opens no internal tier)."""
     if not state.get("tls"):
         return None
     d = Path(str(state["certs_dir"]))
     mutual = bool(state.get("mutual_tls"))
     return grpc.ssl_channel_credentials(
         root_certificates=(d / "ca.pem").read_bytes(),
-        private_key=(d / "client-key.pem").read_bytes() if mutual else None,
-        certificate_chain=(d / "client.pem").read_bytes() if mutual else None,
+        private_key=(d / "operator-key.pem").read_bytes() if mutual else None,
+        certificate_chain=(d / "operator.pem").read_bytes() if mutual else None,
     )
 
 
@@ -77,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="llmesh status",
         description="Print the mesh started by `llmesh up` as JSON: every process with tier, zone, "
         "address, pid, metrics port and health; each router adds its view of the workers "
-        "(zone ladder, health, circuit state, load, pid).",
+        "(zone ladder, health, circuit state, load, pid). In a mutual-TLS mesh it connects with "
+        "the operator certificate (operator.pem in the mesh's certs directory), which internal "
+        "tiers allow read-only calls only.",
     )
     parser.add_argument("--state", help=f"state file (default ${{LLMESH_HOME}}/run/{STATE_FILE})")
     args = parser.parse_args(argv)

@@ -74,42 +74,54 @@ class Mesh:
         self.model_name = served_model_name(self.model_dir, config.served_model_name)
 
     # -- TLS ---------------------------------------------------------------------------
+    # Each tier serves and dials with its own certificate (identity
+    # spiffe://llmesh.local/tier/<tier>), so internal servers can tell the gateway and the
+    # router from a client holding client.pem (see services/common/authz.py).
 
-    def _server_tls_flags(self) -> list[str]:
+    def _server_tls_flags(self, tier: str) -> list[str]:
         if not self.config.tls.enabled:
             return []
         d = self.tls_dir
-        flags = ["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server-key.pem")]
+        flags = ["--tls-cert", str(d / f"{tier}.pem"), "--tls-key", str(d / f"{tier}-key.pem")]
         if self.config.tls.mutual:
             flags += ["--tls-client-ca", str(d / "ca.pem")]
         return flags
 
-    def _client_tls_flags(self) -> list[str]:
+    def _client_tls_flags(self, tier: str) -> list[str]:
         if not self.config.tls.enabled:
             return []
         d = self.tls_dir
         flags = ["--downstream-tls-ca", str(d / "ca.pem")]
         if self.config.tls.mutual:
-            flags += ["--downstream-tls-cert", str(d / "client.pem"),
-                      "--downstream-tls-key", str(d / "client-key.pem")]
+            flags += ["--downstream-tls-cert", str(d / f"{tier}.pem"),
+                      "--downstream-tls-key", str(d / f"{tier}-key.pem")]
         return flags
 
-    def credentials(self) -> grpc.ChannelCredentials | None:
+    def credentials(self, identity: str = "operator") -> grpc.ChannelCredentials | None:
+        """Channel credentials for talking to the mesh as ``identity`` (a tier, ``client``
+        or ``operator``, whose certificate is ``<identity>.pem``); health checks work with
+        any of them."""
         if not self.config.tls.enabled:
             return None
         d = self.tls_dir
+        mutual = self.config.tls.mutual
         return grpc.ssl_channel_credentials(
             root_certificates=(d / "ca.pem").read_bytes(),
-            private_key=(d / "client-key.pem").read_bytes() if self.config.tls.mutual else None,
-            certificate_chain=(d / "client.pem").read_bytes() if self.config.tls.mutual else None,
+            private_key=(d / f"{identity}-key.pem").read_bytes() if mutual else None,
+            certificate_chain=(d / f"{identity}.pem").read_bytes() if mutual else None,
         )
 
     def _ensure_certs(self) -> None:
-        if not self.config.tls.enabled or (self.tls_dir / "ca.pem").exists():
+        if not self.config.tls.enabled:
             return
-        from llmesh.certs import write_dev_certs
+        from llmesh.certs import CertificatesExistError, ensure_dev_certs
 
-        write_dev_certs(self.tls_dir)
+        try:
+            ensure_dev_certs(self.tls_dir)
+        except CertificatesExistError as exc:
+            raise RuntimeError(
+                f"{exc}; per-tier certificates are needed: `llmesh certs --force --out {self.tls_dir}`"
+            ) from exc
 
     # -- starting --------------------------------------------------------------------------
 
@@ -127,7 +139,7 @@ class Mesh:
         argv = ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port),
                 "--log-format", "json", *args]
         if server_tls:
-            argv += self._server_tls_flags()
+            argv += self._server_tls_flags(tier)
         proc = spawn_tier(
             name, tier, argv, address=f"{self.host}:{port}", service=SERVICES[tier],
             env={**self._env(tier), **(env or {})}, log_dir=self.log_dir, zone=zone,
@@ -214,7 +226,7 @@ class Mesh:
                 ["--workers", json.dumps(worker_list), "--zones", json.dumps(zones),
                  "--degraded-zones", json.dumps(cfg.router.degraded_zones),
                  "--tokenizer-target", tokenizers[0].address,
-                 *self._client_tls_flags(), *_flags(cfg.router.settings)],
+                 *self._client_tls_flags("router"), *_flags(cfg.router.settings)],
                 port=free_port(self.host),
             )
             for i in range(cfg.router.replicas)
@@ -225,7 +237,7 @@ class Mesh:
             "--router-targets", json.dumps([p.address for p in routers]),
             "--postprocessor-targets", json.dumps([p.address for p in posts]),
             "--default-filter-mode", cfg.gateway.default_filter_mode,
-            *self._client_tls_flags(), *_flags(cfg.gateway.settings),
+            *self._client_tls_flags("gateway"), *_flags(cfg.gateway.settings),
         ]
         if cfg.gateway.audit_log:
             gw_args += ["--audit-log", cfg.gateway.audit_log]
@@ -273,6 +285,24 @@ class Mesh:
                 proc.stop(timeout=20)
 
 
+def grpcurl_hint(config: MeshConfig, tls_dir: Path) -> str:
+    """A grpcurl command line that works against this mesh's gateway: ``-plaintext``, or
+    ``-cacert`` (plus ``-cert``/``-key`` with the client certificate under mutual TLS),
+    and the API key header when tenants are configured."""
+    gw = config.gateway
+    if not config.tls.enabled:
+        flags = ["-plaintext"]
+    else:
+        flags = ["-cacert", str(tls_dir / "ca.pem")]
+        if config.tls.mutual:
+            flags += ["-cert", str(tls_dir / "client.pem"), "-key", str(tls_dir / "client-key.pem")]
+    if config.tenants:
+        flags += ["-H", "'authorization: Bearer <your API key>'"]
+    body = ('\'{"messages":[{"role":"user","content":"What is the capital of France?"}]}\'')
+    return " ".join(["grpcurl", *flags, "-d", body, f"{gw.host}:{gw.port}",
+                     "llmesh.v1.InferenceService/GenerateStream"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llmesh up",
@@ -301,10 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nllmesh is up: gateway {gw.host}:{gw.port} ({scheme}), model {mesh.model_name}")
         if gw.http_port >= 0:
             print(f"OpenAI-compatible HTTP: {mesh.http_url()}/v1")
-        print("try:  grpcurl -plaintext -d '{\"messages\":[{\"role\":\"user\",\"content\":"
-              "\"What is the capital of France?\"}]}' "
-              f"{gw.host}:{gw.port} llmesh.v1.InferenceService/GenerateStream")
-        print("status: llmesh status    stop: Ctrl-C", flush=True)
+        print(f"try:  {grpcurl_hint(config, mesh.tls_dir)}")
+        status_as = " (as operator.pem)" if config.tls.enabled and config.tls.mutual else ""
+        print(f"status: llmesh status{status_as}    stop: Ctrl-C", flush=True)
         while not stop.wait(1.0):
             for proc in mesh.procs:
                 if not proc.alive() and not proc.extra.get("reported"):

@@ -17,7 +17,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from llmesh import certs
 from llmesh.certs import CertificatesExistError, ensure_dev_certs, write_dev_certs
 
-FILES = ["ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem"]
+TIERS = ["gateway", "router", "worker", "tokenizer", "postprocessor"]
+FILES = [
+    "ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem", "operator.pem",
+    "operator-key.pem", *(f"{tier}{suffix}.pem" for tier in TIERS for suffix in ("", "-key")),
+]
 
 
 def _cert(path: Path) -> x509.Certificate:
@@ -57,6 +61,49 @@ def test_writes_a_ca_server_and_client_certificate(tmp_path: Path) -> None:
     assert client.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "backend-7"
 
 
+def _uris(cert: x509.Certificate) -> list[str]:
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return list(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def test_one_certificate_per_tier_with_its_identity(tmp_path: Path) -> None:
+    """Each tier serves and dials with its own certificate, named by a SPIFFE-style URI
+    SAN; the client and operator certificates only dial, with identities of their own."""
+    paths = write_dev_certs(tmp_path, sans=["mesh.internal"], client_cn="backend-7")
+    ca = _cert(paths["ca"])
+    for tier in TIERS:
+        cert = _cert(paths[f"{tier}_cert"])
+        cert.verify_directly_issued_by(ca)
+        assert stat.S_IMODE(paths[f"{tier}_key"].stat().st_mode) == 0o600
+        assert _uris(cert) == [f"spiffe://llmesh.local/tier/{tier}"]
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.DNSName) == ["localhost", "mesh.internal"]
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == f"llmesh-{tier}"
+    for name, identity in (("client", "spiffe://llmesh.local/client/backend-7"),
+                           ("operator", "spiffe://llmesh.local/operator")):
+        cert = _cert(paths[f"{name}_cert"])
+        assert _uris(cert) == [identity]
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    # server.pem keeps its old shape: serving only, no identity.
+    server = _cert(paths["server_cert"])
+    assert _uris(server) == []
+    assert certs.identity_files(paths, "router") == (tmp_path / "router.pem", tmp_path / "router-key.pem")
+
+
+def test_ensure_refuses_an_older_set_without_tier_certificates(tmp_path: Path) -> None:
+    """A directory written before per-tier certificates: not silently mixed with new ones."""
+    write_dev_certs(tmp_path)
+    for tier in TIERS:
+        (tmp_path / f"{tier}.pem").unlink()
+    with pytest.raises(CertificatesExistError, match=r"router\.pem") as info:
+        ensure_dev_certs(tmp_path)
+    assert "--force" in str(info.value)
+    assert tmp_path / "gateway.pem" in info.value.missing
+
+
 def test_rsa_keys(tmp_path: Path) -> None:
     paths = write_dev_certs(tmp_path, key_type="rsa")
     key = _cert(paths["server_cert"]).public_key()
@@ -68,7 +115,7 @@ def test_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
     before = _snapshot(tmp_path)
     with pytest.raises(CertificatesExistError, match="--force") as info:
         write_dev_certs(tmp_path)
-    assert len(info.value.existing) == 5
+    assert len(info.value.existing) == len(FILES)
     assert _snapshot(tmp_path) == before
     # Even one stray file blocks a fresh write into that directory.
     partial = tmp_path / "partial"
@@ -129,6 +176,7 @@ def test_cli_through_the_llmesh_command(tmp_path: Path) -> None:
         [sys.executable, "-m", "llmesh.cli", "certs", "--help"], capture_output=True, text=True, timeout=60
     )
     assert run.returncode == 0 and "--client-cn" in run.stdout and "--force" in run.stdout
+    assert "operator.pem" in run.stdout and "spiffe://llmesh.local/tier/" in run.stdout
     run = subprocess.run(
         [sys.executable, "-m", "llmesh.cli", "certs", "--out", str(tmp_path), "--days", "0"],
         capture_output=True, text=True, timeout=60,
