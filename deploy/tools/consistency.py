@@ -50,7 +50,8 @@ DOCKERFILES = DEPLOY / "docker"
 GLOBAL_ENV = {"LLMESH_HOME"}
 
 # Objects the manifests use but deliberately do not contain (made outside git).
-EXTERNAL = {("Secret", "llmesh-tls")}
+EXTERNAL = {("Secret", f"llmesh-tls-{tier}")
+            for tier in ("gateway", "router", "worker", "tokenizer", "postprocessor")}
 
 
 @dataclass(frozen=True)

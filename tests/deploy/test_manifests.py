@@ -211,7 +211,10 @@ def test_dev_probes_are_native_grpc_and_prod_probes_speak_tls(rendered: dict) ->
         container = pod["containers"][0]
         assert container["readinessProbe"]["exec"]["command"] == ["llmesh-healthcheck", "--readiness"]
         assert "--tls-cert=/etc/llmesh/tls/tls.crt" in container["args"]
-        assert any(v.get("secret", {}).get("secretName") == "llmesh-tls" for v in pod["volumes"])
+        # Each tier its own certificate: its identity is what internal tiers authorize.
+        tier = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        secrets = [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+        assert f"llmesh-tls-{tier}" in secrets and "llmesh-tls" not in secrets
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
