@@ -13,7 +13,7 @@ A YAML file; every key is optional::
     workers:                          # one process each
       - {zone: zone-a, device: cpu, engine: vllm, cpu_omp_threads_bind: "0",
          settings: {max_num_seqs: 32, ...}}
-    tls: {enabled: false, mutual: true, certs_dir: ""}  # certs from `llmesh certs`
+    tls: {enabled: false, mutual: true, certs_dir: ""}  # certs from `llmesh certs`, one per tier
     tenants:                          # API keys are stored only as SHA-256
       - {name: demo, key_sha256: <hex>, requests_per_minute: 30, tokens_per_minute: 0,
          filter_mode: redact}
@@ -72,9 +72,12 @@ class WorkerConfig(_Strict):
 class TlsConfig(_Strict):
     enabled: bool = False
     mutual: bool = True
-    """Require client certificates on every hop (and from gateway clients)."""
+    """Require client certificates on every hop (and from gateway clients). Internal tiers
+    then allow callers by certificate identity: each tier serves and dials with its own
+    <tier>.pem, clients use client.pem (the gateway only), `llmesh status` operator.pem."""
     certs_dir: str = ""
-    """Where ca.pem, server.pem, ... live; empty means ${LLMESH_HOME}/certs."""
+    """Where ca.pem, <tier>.pem, client.pem, operator.pem ... live (``llmesh certs``);
+    empty means ${LLMESH_HOME}/certs."""
 
 
 class TenantConfig(_Strict):
