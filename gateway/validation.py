@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from gateway.types import GenerateCall, ModelMeta
 from services.common.errors import FieldViolation, InvalidArgument
+from services.common.sampling_rules import MAX_LOGPROBS, sampling_violations
 
 ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
@@ -22,10 +22,6 @@ class Limits:
     max_stop_chars: int = 256
     max_logprobs: int = 20
     max_priority: int = 1000
-
-
-def _finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))
 
 
 def validate_input(call: GenerateCall, limits: Limits, violations: list[FieldViolation]) -> None:
@@ -60,26 +56,15 @@ def validate_call(call: GenerateCall, model: ModelMeta, limits: Limits) -> None:
     v: list[FieldViolation] = []
     validate_input(call, limits, v)
     s = call.sampling
-    if s.temperature is not None and (not _finite(s.temperature) or not 0 <= s.temperature <= 100):
-        v.append(FieldViolation("sampling.temperature", f"must be a number in [0, 100], got {s.temperature}"))
-    if s.top_p is not None and (not _finite(s.top_p) or not 0 < s.top_p <= 1):
-        v.append(FieldViolation("sampling.top_p", f"must be in (0, 1], got {s.top_p}"))
-    if s.top_k is not None and s.top_k < -1:
-        v.append(FieldViolation("sampling.top_k", f"must be -1 (off), 0 (off) or positive, got {s.top_k}"))
+    # The engine's own bounds, shared with the worker (services/common/sampling_rules.py).
+    v += sampling_violations(s, "sampling")
     if s.top_k is not None and model.vocab_size and s.top_k > model.vocab_size:
         v.append(FieldViolation("sampling.top_k", f"must be at most the vocabulary size {model.vocab_size}"))
-    if s.min_p is not None and (not _finite(s.min_p) or not 0 <= s.min_p <= 1):
-        v.append(FieldViolation("sampling.min_p", f"must be in [0, 1], got {s.min_p}"))
-    if s.max_tokens is not None:
-        if s.max_tokens < 1:
-            v.append(FieldViolation("sampling.max_tokens", "must be at least 1"))
-        elif s.max_tokens >= model.max_context_length:
-            v.append(FieldViolation(
-                "sampling.max_tokens",
-                f"{s.max_tokens} does not fit the model's context of {model.max_context_length} tokens",
-            ))
-    if s.min_tokens is not None and s.max_tokens is not None and s.min_tokens > s.max_tokens:
-        v.append(FieldViolation("sampling.min_tokens", "must not exceed sampling.max_tokens"))
+    if s.max_tokens is not None and s.max_tokens >= max(1, model.max_context_length):
+        v.append(FieldViolation(
+            "sampling.max_tokens",
+            f"{s.max_tokens} does not fit the model's context of {model.max_context_length} tokens",
+        ))
     if len(s.stop) > limits.max_stop_strings:
         v.append(FieldViolation(
             "sampling.stop", f"{len(s.stop)} stop strings exceeds the limit of {limits.max_stop_strings}"
@@ -96,15 +81,7 @@ def validate_call(call: GenerateCall, model: ModelMeta, limits: Limits) -> None:
             v.append(FieldViolation(
                 f"sampling.stop_token_ids[{i}]", f"{token_id} is outside the vocabulary ({model.vocab_size})"
             ))
-    if s.repetition_penalty is not None and (
-        not _finite(s.repetition_penalty) or not 0 < s.repetition_penalty <= 10
-    ):
-        v.append(FieldViolation("sampling.repetition_penalty", "must be in (0, 10]"))
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(s, name)
-        if value is not None and (not _finite(value) or not -2 <= value <= 2):
-            v.append(FieldViolation(f"sampling.{name}", f"must be in [-2, 2], got {value}"))
-    if s.logprobs is not None and s.logprobs > limits.max_logprobs:
+    if s.logprobs is not None and limits.max_logprobs < s.logprobs <= MAX_LOGPROBS:
         v.append(FieldViolation("sampling.logprobs", f"must be at most {limits.max_logprobs}"))
     if abs(call.priority) > limits.max_priority:
         v.append(FieldViolation("priority", f"must be within ±{limits.max_priority}"))

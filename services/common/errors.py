@@ -14,6 +14,8 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from llmesh.common.v1 import common_pb2
+
 
 class LlmeshError(Exception):
     """Base of every llmesh error: one human-readable message."""
@@ -159,3 +161,77 @@ def map_exception(exc: BaseException) -> MappedStatus:
         delay.FromMilliseconds(max(1, int(exc.retry_after_s * 1000)))
         details.append(error_details_pb2.RetryInfo(retry_delay=delay))
     return MappedStatus(code, message, details)
+
+
+# The reverse direction: a status received from another tier becomes the same domain
+# error again, with every google.rpc detail, so errors cross hops unchanged.
+_CODE_TO_ERROR: dict[grpc.StatusCode, type[LlmeshError]] = {
+    code: exc_type for exc_type, code in STATUS_TABLE if issubclass(exc_type, LlmeshError)
+}
+
+
+def error_from_status(
+    code: grpc.StatusCode, message: str, status: status_pb2.Status | None = None,
+    *, field_prefixes: tuple[str, ...] = (),
+) -> LlmeshError:
+    """The llmesh error a peer's status stands for, keeping BadRequest and RetryInfo.
+
+    ``field_prefixes`` are stripped from violation field paths: an internal request
+    wraps the public fields (``request.sampling.seed`` is the caller's ``sampling.seed``).
+    """
+
+    def public(path: str) -> str:
+        for prefix in field_prefixes:
+            if path.startswith(prefix):
+                return path[len(prefix):]
+        return path
+
+    details = list(status.details) if status is not None else []
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        violations: list[FieldViolation] = []
+        for detail in details:
+            bad = error_details_pb2.BadRequest()
+            if detail.Unpack(bad):
+                violations += [FieldViolation(public(v.field), v.description) for v in bad.field_violations]
+        if violations:
+            return InvalidArgument.many(violations)
+        return InvalidArgument("request", message)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        delay = 1.0
+        for detail in details:
+            info = error_details_pb2.RetryInfo()
+            if detail.Unpack(info):
+                delay = info.retry_delay.ToMilliseconds() / 1000
+        return ResourceExhausted(message, retry_after_s=delay)
+    return _CODE_TO_ERROR.get(code, Internal)(message)
+
+
+def error_from_rpc(err: grpc.aio.AioRpcError, *, field_prefixes: tuple[str, ...] = ()) -> LlmeshError:
+    """:func:`error_from_status` of a failed call."""
+    code = err.code()
+    return error_from_status(
+        code, err.details() or code.name, rpc_status.from_call(err), field_prefixes=field_prefixes
+    )
+
+
+_CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def request_error_to_proto(exc: BaseException) -> common_pb2.RequestError:
+    """One request's failure inside a multi-request call, mapped like a whole call's."""
+    mapped = map_exception(exc)
+    out = common_pb2.RequestError(code=mapped.code.value[0], message=mapped.message)
+    if isinstance(exc, InvalidArgument):
+        out.field_violations.extend(
+            common_pb2.FieldViolation(field=v.field, description=v.description) for v in exc.violations
+        )
+    return out
+
+
+def request_error_from_proto(proto: common_pb2.RequestError) -> tuple[grpc.StatusCode, LlmeshError]:
+    """The status code and llmesh error of one failed request of a multi-request call."""
+    code = _CODE_BY_NUMBER.get(proto.code, grpc.StatusCode.UNKNOWN)
+    violations = [FieldViolation(v.field, v.description) for v in proto.field_violations]
+    if code is grpc.StatusCode.INVALID_ARGUMENT and violations:
+        return code, InvalidArgument.many(violations)
+    return code, error_from_status(code, proto.message or code.name)

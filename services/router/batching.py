@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from llmesh.common.v1 import common_pb2
 from services.common.logs import request_id_var
-from services.router.workerapi import WorkerCallError, WorkerClient, WorkerEvent
+from services.router.workerapi import StreamEvent, WorkerCallError, WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class AttemptStream:
             ):
                 self.done = True
 
-    async def events(self) -> AsyncIterator[WorkerEvent]:
+    async def events(self) -> AsyncIterator[StreamEvent]:
         """Deltas then one final; raises WorkerCallError if the worker call failed."""
         while True:
             item = await self.queue.get()

@@ -1,8 +1,13 @@
 """Per-worker circuit breaker: closed -> open -> half-open, with exponential backoff.
 
-Transport failures of real requests trip it (passive ejection). While open the worker
-gets no traffic; after the backoff it turns half-open and lets one trial request
-through. A successful trial closes it; a failed one reopens it for twice as long.
+Transport failures of real requests trip it (passive ejection): ``failure_threshold``
+consecutive ones while the worker otherwise answers (its health watch and load polls),
+one when it does not. A request the worker refused or failed on its own (invalid
+argument, an engine error for that request) never reaches the breaker: that is the
+request's fault, and counting it would let one poison request eject every worker.
+While open the worker gets no traffic; after the backoff it turns half-open and lets
+one trial request through. A successful trial closes it; a failed one reopens it for
+twice as long.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ class CircuitBreaker:
     def __init__(
         self,
         *,
-        failure_threshold: int = 1,
+        failure_threshold: int = 3,
         base_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -69,7 +74,8 @@ class CircuitBreaker:
             self._trips = 0
             self._trial_in_flight = False
 
-    def record_failure(self) -> None:
+    def record_failure(self, *, answering: bool = True) -> None:
+        """A request failed in transport; ``answering``: the worker's probes still succeed."""
         state = self.state
         if state is Circuit.HALF_OPEN:
             self._trip()
@@ -77,8 +83,13 @@ class CircuitBreaker:
         if state is Circuit.OPEN:
             return
         self._failures += 1
-        if self._failures >= self.failure_threshold:
+        if not answering or self._failures >= self.failure_threshold:
             self._trip()
+
+    @property
+    def failures(self) -> int:
+        """Consecutive transport failures since the last success or trip."""
+        return self._failures
 
     def reset(self) -> None:
         """Forget history (the worker was replaced, e.g. re-registered by DNS)."""

@@ -10,32 +10,43 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from llmesh.common.v1 import common_pb2
+from services.common.errors import LlmeshError
 from services.router.registry import Load, WorkerInfo
-
-WorkerEvent = common_pb2.TokenDelta | common_pb2.TokenFinal
 
 
 class WorkerCallError(Exception):
     """A call to a worker failed.
 
     ``kind`` decides what the router does:
-    - ``transport``: the worker or the link failed -> trip the breaker, retry/resume elsewhere;
+    - ``transport``: the worker or the link failed (unreachable, reset, engine dead) ->
+      count against the breaker, retry/resume elsewhere;
+    - ``failed``: the worker answered but failed this request (INTERNAL, an engine error
+      finish) -> retry/resume elsewhere, breaker untouched (it may be the request's doing);
     - ``overloaded``: the worker refused for load -> retry elsewhere, breaker untouched;
-    - ``rejected``: the request itself is bad (invalid argument, unknown model) -> tell the caller;
+    - ``rejected``: the request itself is bad (invalid argument, unknown model) -> tell the
+      caller ``error``, with every detail the worker sent; breaker untouched;
     - ``deadline``: the caller's deadline passed -> tell the caller.
     """
 
-    RETRYABLE = frozenset({"transport", "overloaded"})
+    RETRYABLE = frozenset({"transport", "failed", "overloaded"})
 
-    def __init__(self, kind: str, code: str, message: str) -> None:
+    def __init__(self, kind: str, code: str, message: str, error: LlmeshError | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.kind = kind
         self.code = code
         self.message = message
+        self.error = error
+        """The worker's own error (field violations, retry hint) for ``rejected`` calls."""
 
     @property
     def retryable(self) -> bool:
         return self.kind in self.RETRYABLE
+
+
+StreamEvent = common_pb2.TokenDelta | common_pb2.TokenFinal
+"""What one request's stream delivers: deltas, then one final."""
+WorkerEvent = StreamEvent | WorkerCallError
+"""What a worker call yields per request; a WorkerCallError ends that request alone."""
 
 
 class WorkerClient(Protocol):

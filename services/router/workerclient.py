@@ -10,33 +10,57 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import create_channel
+from services.common.errors import LlmeshError, error_from_rpc, request_error_from_proto
 from services.common.settings import TlsSettings
 from services.router.registry import Load, WorkerInfo
 from services.router.workerapi import WorkerCallError, WorkerEvent
 
 _TRANSPORT = {
     grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.DATA_LOSS,
     grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.FAILED_PRECONDITION,
+    # A worker that refuses this router's identity cannot serve any of its requests.
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.CANCELLED,  # a worker (not us) cancelled: it is shutting down
 }
+_REJECTED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
+# grpc reports a connection broken mid-call as INTERNAL or UNKNOWN with one of these.
+_BROKEN_LINK_HINTS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY",
+                      "Failed to connect")
 
 
-def call_error(err: grpc.aio.AioRpcError) -> WorkerCallError:
-    """Classify a failed worker call (see WorkerCallError.kind)."""
-    code = err.code()
-    message = err.details() or code.name
+def classify(code: grpc.StatusCode, message: str, error: LlmeshError | None = None) -> WorkerCallError:
+    """What a failed worker call (or one request of a batch) means (WorkerCallError.kind)."""
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return WorkerCallError("overloaded", code.name, message)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return WorkerCallError("deadline", code.name, message)
-    if code in _TRANSPORT:
+    if code in _REJECTED:
+        return WorkerCallError("rejected", code.name, message, error)
+    if code in _TRANSPORT or any(hint in message for hint in _BROKEN_LINK_HINTS):
         return WorkerCallError("transport", code.name, message)
-    return WorkerCallError("rejected", code.name, message)
+    # INTERNAL / UNKNOWN from a worker that answered: this request failed there.
+    return WorkerCallError("failed", code.name, message)
+
+
+def call_error(err: grpc.aio.AioRpcError) -> WorkerCallError:
+    """Classify a failed worker call, keeping the worker's error details."""
+    code = err.code()
+    return classify(code, err.details() or code.name, error_from_rpc(err))
+
+
+def request_error(error: common_pb2.RequestError) -> WorkerCallError:
+    """Classify the failure of one request of a batch (the rest of the batch goes on)."""
+    code, mapped = request_error_from_proto(error)
+    return classify(code, error.message or code.name, mapped)
 
 
 def load_from_proto(load: worker_pb2.Load) -> Load:
@@ -98,6 +122,8 @@ class GrpcWorkerClient:
                     yield response.request_id, response.delta
                 elif kind == "final":
                     yield response.request_id, response.final
+                elif kind == "error":
+                    yield response.request_id, request_error(response.error)
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
         finally:

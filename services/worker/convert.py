@@ -7,7 +7,8 @@ from typing import Any
 
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2
-from services.worker.core import Delta, Final, LoadReport, WorkerIdentity
+from services.common.errors import request_error_to_proto
+from services.worker.core import Delta, Failed, Final, LoadReport, WorkerIdentity
 from services.worker.engine import EngineInfo, EngineRequest, FinishReason, Sampling
 
 FINISH_REASONS: dict[FinishReason, Any] = {
@@ -82,9 +83,13 @@ def generate_response(request_id: str, event: Delta | Final) -> worker_pb2.Gener
     return worker_pb2.GenerateResponse(request_id=request_id, final=final_to_proto(event))
 
 
-def batch_response(request_id: str, event: Delta | Final) -> worker_pb2.GenerateBatchResponse:
+def batch_response(request_id: str, event: Delta | Final | Failed) -> worker_pb2.GenerateBatchResponse:
     if isinstance(event, Delta):
         return worker_pb2.GenerateBatchResponse(request_id=request_id, delta=delta_to_proto(event))
+    if isinstance(event, Failed):
+        return worker_pb2.GenerateBatchResponse(
+            request_id=request_id, error=request_error_to_proto(event.error)
+        )
     return worker_pb2.GenerateBatchResponse(request_id=request_id, final=final_to_proto(event))
 
 

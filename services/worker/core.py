@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
+from services.common import sampling_rules
+from services.common.errors import FieldViolation, InvalidArgument, LlmeshError, NotFound, Unavailable
 from services.common.logs import request_id_var
 from services.worker import metrics
 from services.worker.engine import (
@@ -27,14 +27,13 @@ from services.worker.engine import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    RequestRejected,
     Sampling,
     TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
-"""vLLM's default ``max_logprobs``."""
 MAX_REQUEST_ID_LEN = 256
 
 
@@ -78,6 +77,13 @@ Event = Delta | Final
 
 
 @dataclass(frozen=True)
+class Failed:
+    """One request of a batch failed on its own (refused, rejected by the engine)."""
+
+    error: Exception
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """Engine load plus the service's own view."""
 
@@ -109,10 +115,6 @@ class HealthState:
 
 # -- validation -------------------------------------------------------------------------
 
-def _finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))
-
-
 def sampling_violations(s: Sampling, info: EngineInfo, prompt_len: int, prefix: str) -> list[FieldViolation]:
     """Every out-of-range sampling value, with its field path."""
     v: list[FieldViolation] = []
@@ -121,37 +123,16 @@ def sampling_violations(s: Sampling, info: EngineInfo, prompt_len: int, prefix: 
     def bad(name: str, description: str) -> None:
         v.append(FieldViolation(f"{p}.{name}", description))
 
-    if not _finite(s.temperature) or s.temperature < 0:
-        bad("temperature", f"must be a finite number >= 0, got {s.temperature}")
-    if not _finite(s.top_p) or not 0 < s.top_p <= 1:
-        bad("top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.top_k < -1:
-        bad("top_k", f"must be -1 or 0 (disabled) or a positive number, got {s.top_k}")
-    if not _finite(s.min_p) or not 0 <= s.min_p <= 1:
-        bad("min_p", f"must be in [0, 1], got {s.min_p}")
-    if not _finite(s.repetition_penalty) or s.repetition_penalty <= 0:
-        bad("repetition_penalty", f"must be a finite number > 0, got {s.repetition_penalty}")
-    if not _finite(s.presence_penalty) or not -2 <= s.presence_penalty <= 2:
-        bad("presence_penalty", f"must be in [-2, 2], got {s.presence_penalty}")
-    if not _finite(s.frequency_penalty) or not -2 <= s.frequency_penalty <= 2:
-        bad("frequency_penalty", f"must be in [-2, 2], got {s.frequency_penalty}")
-    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-        bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
-    if s.seed is not None and not 0 <= s.seed < 2**63:
-        bad("seed", f"must be in [0, 2^63), got {s.seed}")
-    if s.max_tokens is not None:
-        if s.max_tokens < 1:
-            bad("max_tokens", f"must be >= 1 when set, got {s.max_tokens}")
-        elif prompt_len + s.max_tokens > info.max_model_len:
-            bad(
-                "max_tokens",
-                f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds the "
-                f"max context length {info.max_model_len}",
-            )
-    if s.min_tokens < 0:
-        bad("min_tokens", f"must be >= 0, got {s.min_tokens}")
-    elif s.max_tokens is not None and s.min_tokens > s.max_tokens:
-        bad("min_tokens", f"must be <= max_tokens ({s.max_tokens}), got {s.min_tokens}")
+    v += sampling_rules.sampling_violations(s, p)
+    if s.logprobs is not None and info.max_logprobs < s.logprobs <= sampling_rules.MAX_LOGPROBS:
+        # This engine was started with a lower limit than vLLM's default: ask it, not the table.
+        bad("logprobs", f"must be at most {info.max_logprobs} on this engine, got {s.logprobs}")
+    if s.max_tokens is not None and s.max_tokens >= 1 and prompt_len + s.max_tokens > info.max_model_len:
+        bad(
+            "max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds the "
+            f"max context length {info.max_model_len}",
+        )
     for i, token in enumerate(s.stop_token_ids):
         if not 0 <= token < info.vocab_size:
             bad(f"stop_token_ids[{i}]",
@@ -241,6 +222,7 @@ class WorkerCore:
             violations.insert(0, FieldViolation(f"{prefix}.request_id",
                                                 f"request id {req.request_id!r} is already in flight"))
         if violations:
+            metrics.REJECTED.inc()
             raise InvalidArgument.many(violations)
 
     async def generate(self, req: EngineRequest, *, validated: bool = False) -> AsyncGenerator[Event, None]:
@@ -280,6 +262,9 @@ class WorkerCore:
         except EngineDeadError as exc:
             self._engine_died(str(exc) or "engine died")
             raise Unavailable("the engine of this worker died") from exc
+        except RequestRejected:
+            metrics.REJECTED.inc()
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             # The caller went away (cancelled, deadline passed): free the engine's sequence.
             if not finished:
@@ -289,27 +274,41 @@ class WorkerCore:
             self._in_flight.pop(rid, None)
             metrics.IN_FLIGHT.set(len(self._in_flight))
 
-    async def generate_batch(self, reqs: Sequence[EngineRequest]) -> AsyncGenerator[tuple[str, Event], None]:
+    async def generate_batch(
+        self, reqs: Sequence[EngineRequest | Failed], ids: Sequence[str] | None = None,
+    ) -> AsyncGenerator[tuple[str, Event | Failed], None]:
         """Run several requests together; yields (request id, event) as they come.
 
-        All are validated first (all or nothing) and all are handed to the engine before
-        the first output is awaited. Cancelling the iterator aborts the unfinished ones.
+        Each request stands alone: one that fails validation (or that the caller already
+        refused, passed in as :class:`Failed` with its id in ``ids``) or that the engine
+        rejects ends with a :class:`Failed` event of its own while the others run. All
+        valid ones are handed to the engine before the first output is awaited.
+        Cancelling the iterator aborts the unfinished ones. Only engine death fails the
+        whole call, since no request of it can finish then.
         """
         if not reqs:
             raise InvalidArgument("requests", "must contain at least one request")
-        violations: list[FieldViolation] = []
+        runnable: list[EngineRequest] = []
         seen: set[str] = set()
         for i, req in enumerate(reqs):
             prefix = f"requests[{i}]"
-            violations += request_violations(req, self.engine.info, prefix)
+            if isinstance(req, Failed):
+                yield (ids[i] if ids is not None else ""), req
+                continue
+            violations = request_violations(req, self.engine.info, prefix)
             if req.request_id in seen or req.request_id in self._in_flight:
                 violations.append(FieldViolation(f"{prefix}.request_id",
                                                  f"request id {req.request_id!r} is duplicated or in flight"))
             seen.add(req.request_id)
-        if violations:
-            raise InvalidArgument.many(violations)
+            if violations:
+                metrics.REJECTED.inc()
+                yield req.request_id, Failed(InvalidArgument.many(violations))
+            else:
+                runnable.append(req)
+        if not runnable:
+            return
 
-        queue: asyncio.Queue[tuple[str, Event] | BaseException | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, Event | Failed] | BaseException | None] = asyncio.Queue()
 
         async def pump(req: EngineRequest) -> None:
             try:
@@ -318,12 +317,16 @@ class WorkerCore:
                         queue.put_nowait((req.request_id, event))
             except asyncio.CancelledError:
                 raise
-            except BaseException as exc:
+            except Unavailable as exc:  # the engine died: nothing in this call can finish
                 queue.put_nowait(exc)
+            except Exception as exc:
+                if not isinstance(exc, LlmeshError):
+                    log.exception("request %s failed in the engine", req.request_id)
+                queue.put_nowait((req.request_id, Failed(exc)))
             finally:
                 queue.put_nowait(None)
 
-        tasks = [asyncio.ensure_future(pump(req)) for req in reqs]
+        tasks = [asyncio.ensure_future(pump(req)) for req in runnable]
         remaining = len(tasks)
         try:
             while remaining:

@@ -12,6 +12,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from services.common.errors import InvalidArgument
+
 
 class FinishReason(enum.Enum):
     """Why the engine stopped one generation."""
@@ -119,10 +121,21 @@ class EngineInfo:
     vocab_size: int
     max_num_seqs: int
     eos_token_ids: tuple[int, ...] = ()
+    max_logprobs: int = 20
+    """Most alternatives per token the engine returns (vLLM ``max_logprobs``)."""
 
 
 class EngineDeadError(RuntimeError):
     """The engine is gone (engine-core process died); the worker must exit."""
+
+
+class RequestRejected(InvalidArgument):
+    """The engine refused one request for its own values, not for the engine's health.
+
+    Engine adapters raise it for the engine's client errors (vLLM's ``VLLMClientError``),
+    so the caller gets INVALID_ARGUMENT naming the field and the router never counts it
+    against the worker.
+    """
 
 
 @runtime_checkable

@@ -7,6 +7,10 @@ from prometheus_client import Counter, Gauge, Histogram
 REQUESTS = Counter(
     "llmesh_worker_requests", "Finished generations by finish reason.", ["finish_reason"]
 )
+REJECTED = Counter(
+    "llmesh_worker_rejected_requests",
+    "Requests refused for their own values (by the worker's checks or by the engine); never a health event.",
+)
 GENERATED_TOKENS = Counter("llmesh_worker_generated_tokens", "Tokens generated.")
 IN_FLIGHT = Gauge("llmesh_worker_in_flight", "Generations admitted and not yet finished.")
 TTFT = Histogram(

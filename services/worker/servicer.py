@@ -10,9 +10,10 @@ import grpc
 from opentelemetry import trace
 
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.worker import convert
-from services.worker.core import Final, WorkerCore
+from services.worker.core import Failed, Final, WorkerCore
+from services.worker.engine import EngineRequest
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -47,11 +48,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GenerateBatch(
         self, request: worker_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateBatchResponse]:
-        reqs = [
-            convert.request_from_proto(r, self.core.adapter_for(r.model, f"requests[{i}].model"))
-            for i, r in enumerate(request.requests)
-        ]
-        async with contextlib.aclosing(self.core.generate_batch(reqs)) as events:
+        reqs: list[EngineRequest | Failed] = []
+        for i, r in enumerate(request.requests):
+            try:
+                adapter = self.core.adapter_for(r.model, f"requests[{i}].model")
+                reqs.append(convert.request_from_proto(r, adapter))
+            except NotFound as exc:  # an unknown model fails that request, not the batch
+                reqs.append(Failed(exc))
+        ids = [r.request_id for r in request.requests]
+        async with contextlib.aclosing(self.core.generate_batch(reqs, ids)) as events:
             async for request_id, event in events:
                 yield convert.batch_response(request_id, event)
 

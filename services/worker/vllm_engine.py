@@ -9,6 +9,7 @@ engine round trip, so polling every 100 ms costs nothing).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -24,11 +25,14 @@ from services.worker.engine import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    RequestRejected,
+    Sampling,
     TokenLogprob,
 )
 
 from vllm import SamplingParams  # isort: skip
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
@@ -129,6 +133,7 @@ class VllmEngine:
             vocab_size=int(model_config.get_vocab_size()),
             max_num_seqs=int(llm.vllm_config.scheduler_config.max_num_seqs),
             eos_token_ids=eos,
+            max_logprobs=int(getattr(model_config, "max_logprobs", 20)),
         )
 
     @classmethod
@@ -214,7 +219,10 @@ class VllmEngine:
         )
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        params = self.sampling_params(request)
+        try:
+            params = self.sampling_params(request)
+        except (VLLMClientError, ValueError) as exc:
+            raise rejected(exc) from exc
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         lora = self._loras.get(request.adapter) if request.adapter else None
         priority = request.priority if self.priority_scheduling else 0
@@ -236,6 +244,31 @@ class VllmEngine:
                 yield converted
         except VllmEngineDeadError as exc:
             raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
+        except (VLLMClientError, ValueError) as exc:
+            # The engine refused this request's values (its input processor checks more
+            # than SamplingParams does): the caller's error, not the worker's health.
+            raise rejected(exc) from exc
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(Sampling))
+
+
+def rejected(exc: Exception) -> RequestRejected:
+    """The engine's refusal as INVALID_ARGUMENT naming the field.
+
+    vLLM names the parameter on most validation errors; the rest start with it
+    ("min_p must be in [0, 1], got 3.0"), so the first word is tried as a field name.
+    """
+    # args[0] is the bare message (vLLM's __str__ appends the parameter and value).
+    message = str(exc.args[0] if exc.args else exc) or type(exc).__name__
+    parameter = getattr(exc, "parameter", None) or message.split(" ", 1)[0]
+    if parameter in _SAMPLING_FIELDS:
+        field_path = f"request.sampling.{parameter}"
+    elif parameter in ("prompt", "prompt_token_ids"):
+        field_path = "request.prompt_token_ids"
+    else:
+        field_path = "request"
+    return RequestRejected(field_path, f"refused by the engine: {message[:500]}")
 
 
 def _convert_output(out: Any, n_logprobs: int | None, prompt_len: int) -> EngineOutput:

@@ -26,6 +26,13 @@ if __name__ == "__main__":
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import SERVER_KEEPALIVE_OPTIONS
+from services.common.errors import (
+    Internal,
+    InvalidArgument,
+    LlmeshError,
+    map_exception,
+    request_error_to_proto,
+)
 
 SERVICE = "llmesh.worker.v1.WorkerService"
 MODEL = "fake-model"
@@ -49,6 +56,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     max_num_seqs: int = 64
     fail_before_first: int = 0
     """Fail this many Generate calls with UNAVAILABLE before sending anything."""
+    internal_errors: int = 0
+    """Fail this many requests with INTERNAL (the worker answered, the request failed)."""
+    max_temperature: float = 2.0
+    """Like a real worker, refuse a higher temperature with INVALID_ARGUMENT + BadRequest."""
     running: dict[str, asyncio.Event] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
@@ -81,10 +92,23 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             self.running.pop(request.request_id, None)
 
+    def _refusal(self, request: common_pb2.TokenRequest, prefix: str) -> LlmeshError | None:
+        """What a real worker would refuse this request with, if anything."""
+        if request.sampling.temperature > self.max_temperature:
+            return InvalidArgument(f"{prefix}.sampling.temperature",
+                                   f"must be a number in [0, {self.max_temperature:g}]")
+        if self.internal_errors > 0:
+            self.internal_errors -= 1
+            return Internal("injected engine failure")
+        return None
+
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         if self.fail_before_first > 0:
             self.fail_before_first -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected failure")
+        refusal = self._refusal(request.request, "request")
+        if refusal is not None:
+            await context.abort_with_status(map_exception(refusal).to_grpc_status())
         if not request.request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request.prompt_token_ids: empty")
         self.batch_sizes.append(1)
@@ -108,7 +132,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                     await queue.put(worker_pb2.GenerateBatchResponse(request_id=req.request_id, final=event))
             await queue.put(None)
 
-        tasks = [asyncio.ensure_future(pump(r)) for r in request.requests]
+        runnable = []
+        for i, r in enumerate(request.requests):
+            refusal = self._refusal(r, f"requests[{i}]")
+            if refusal is None:
+                runnable.append(r)
+            else:
+                yield worker_pb2.GenerateBatchResponse(
+                    request_id=r.request_id, error=request_error_to_proto(refusal))
+        tasks = [asyncio.ensure_future(pump(r)) for r in runnable]
         try:
             remaining = len(tasks)
             while remaining:

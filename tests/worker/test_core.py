@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound
-from services.worker.core import WorkerCore, WorkerIdentity, request_violations
-from services.worker.engine import EngineInfo, EngineRequest, Sampling
+from services.worker.core import Failed, Final, WorkerCore, WorkerIdentity, request_violations
+from services.worker.engine import EngineInfo, EngineRequest, RequestRejected, Sampling
 from services.worker.fake_engine import FakeEngine
 from services.worker.server import engine_args, resolve_device, worker_identity
 from services.worker.settings import WorkerSettings
@@ -81,3 +81,40 @@ def test_resolve_device() -> None:
     assert resolve_device("npu") == "npu"
     with pytest.raises(ValueError, match="device"):
         resolve_device("tpu")
+
+
+def test_temperature_above_the_engines_bound_is_refused_before_the_engine() -> None:
+    assert fields(EngineRequest("a", (1,), Sampling(temperature=2.0))) == []
+    assert fields(EngineRequest("a", (1,), Sampling(temperature=5.0))) == ["request.sampling.temperature"]
+
+
+def test_logprobs_are_checked_against_the_engines_own_limit() -> None:
+    low = EngineInfo(max_model_len=100, vocab_size=1000, max_num_seqs=4, max_logprobs=5)
+    assert request_violations(EngineRequest("a", (1,), Sampling(logprobs=5)), low, "request") == []
+    (violation,) = request_violations(EngineRequest("a", (1,), Sampling(logprobs=6)), low, "request")
+    assert violation.field == "request.sampling.logprobs" and "5" in violation.description
+
+
+async def test_an_engine_rejection_fails_only_that_request_of_a_batch(tiny_deepseek_dir: Path) -> None:
+    """The engine refusing one request (RequestRejected) ends it with its own error; the
+    batch goes on and nothing marks the engine unhealthy."""
+    engine = FakeEngine(tiny_deepseek_dir)
+    real_generate = engine.generate
+
+    def generate(request: EngineRequest):  # type: ignore[no-untyped-def]
+        if request.request_id == "poison":
+            raise RequestRejected("request.sampling.seed", "refused by the engine")
+        return real_generate(request)
+
+    engine.generate = generate  # type: ignore[method-assign]
+    core = WorkerCore(engine, WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1))
+    events = [e async for e in core.generate_batch([
+        EngineRequest("poison", (5, 6), Sampling(max_tokens=2)),
+        EngineRequest("fine", (5, 6), Sampling(max_tokens=2)),
+    ])]
+    failed = [(rid, e) for rid, e in events if isinstance(e, Failed)]
+    assert [rid for rid, _ in failed] == ["poison"]
+    assert isinstance(failed[0][1].error, InvalidArgument)
+    assert failed[0][1].error.field == "request.sampling.seed"
+    assert any(rid == "fine" and isinstance(e, Final) for rid, e in events)
+    assert core.health.serving is False and not core.health.engine_dead  # not warmed up, not dead

@@ -238,22 +238,31 @@ async def test_duplicate_request_ids_are_rejected(fake_worker: RunningWorker) ->
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert bad_fields(err.value) == ["request.request_id"]
     call.cancel()
-    batch = worker_pb2.GenerateBatchRequest(requests=[token_request("x", [5]), token_request("x", [6])])
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in fake_worker.stub.GenerateBatch(batch):
-            pass
-    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert bad_fields(err.value) == ["requests[1].request_id"]
+    batch = worker_pb2.GenerateBatchRequest(requests=[token_request("x", [5], max_tokens=2),
+                                                      token_request("x", [6], max_tokens=2)])
+    responses = [r async for r in fake_worker.stub.GenerateBatch(batch)]
+    errors = [r.error for r in responses if r.HasField("error")]
+    assert [v.field for e in errors for v in e.field_violations] == ["requests[1].request_id"]
+    assert sum(r.HasField("final") for r in responses) == 1  # the first "x" ran
     await wait_idle(fake_worker)
 
 
-async def test_batch_validation_is_all_or_nothing(fake_worker: RunningWorker) -> None:
+async def test_one_bad_request_fails_alone_in_its_batch(fake_worker: RunningWorker) -> None:
+    """A refused request ends with its own error; its batch-mates are served (a poison
+    request used to fail the whole batch, and so every request sharing its window)."""
     batch = worker_pb2.GenerateBatchRequest(requests=[
-        token_request("ok", [5], max_tokens=2), token_request("bad", [5], top_p=7.0)])
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in fake_worker.stub.GenerateBatch(batch):
-            pass
-    assert bad_fields(err.value) == ["requests[1].sampling.top_p"]
+        token_request("ok", [5], max_tokens=2), token_request("bad", [5], top_p=7.0),
+        token_request("hot", [5], max_tokens=2, temperature=5.0),
+        common_pb2.TokenRequest(request_id="lost", model="other-model", prompt_token_ids=[5])])
+    responses = [r async for r in fake_worker.stub.GenerateBatch(batch)]
+    errors = {r.request_id: r.error for r in responses if r.HasField("error")}
+    assert set(errors) == {"bad", "hot", "lost"}
+    assert errors["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [v.field for v in errors["bad"].field_violations] == ["requests[1].sampling.top_p"]
+    assert [v.field for v in errors["hot"].field_violations] == ["requests[2].sampling.temperature"]
+    assert errors["lost"].code == grpc.StatusCode.NOT_FOUND.value[0]
+    ok = [r for r in responses if r.request_id == "ok"]
+    assert sum(len(r.delta.token_ids) for r in ok) == 2 and ok[-1].HasField("final")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in fake_worker.stub.GenerateBatch(worker_pb2.GenerateBatchRequest()):
             pass
