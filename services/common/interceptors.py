@@ -2,7 +2,9 @@
 
 It is the single place where domain errors become gRPC statuses (see errors.py).
 ``grpc.aio.AbortError`` (a servicer that already aborted) passes through untouched,
-as does ``asyncio.CancelledError`` (the client went away).
+as does ``asyncio.CancelledError`` (the client went away). A request message that does
+not parse (undecodable bytes, invalid UTF-8 in a string field) is the caller's fault and
+becomes ``INVALID_ARGUMENT``; grpc itself would answer ``UNKNOWN`` with a class name.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import map_exception
+from services.common.errors import InvalidArgument, map_exception
 from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,50 @@ def _code_of(context: grpc.aio.ServicerContext, default: str = "OK") -> str:
     if isinstance(code, grpc.StatusCode):
         return code.name
     return str(code)
+
+
+class _Undecodable:
+    """What the request deserializer returns for bytes that do not parse, so the handler
+    (not grpc's own exception path) answers, with INVALID_ARGUMENT."""
+
+    __slots__ = ("message_type",)
+
+    def __init__(self, message_type: str) -> None:
+        self.message_type = message_type
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(
+            "request",
+            f"is not a valid {self.message_type} message (undecodable bytes, or invalid "
+            "UTF-8 in a string field)",
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    owner = getattr(deserializer, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    message_type = getattr(descriptor, "full_name", "request")
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception:  # protobuf's DecodeError, or a custom deserializer's ValueError
+            return _Undecodable(message_type)
+
+    return deserialize
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise request.error()
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -63,10 +109,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary or handler.stream_unary:
             inner_unary = handler.unary_unary or handler.stream_unary
 
+            streaming_requests = handler.stream_unary is not None and handler.unary_unary is None
+
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start = time.perf_counter()
                 code = "OK"
                 try:
+                    request = _checked_stream(request) if streaming_requests else _checked(request)
                     return await inner_unary(request, context)
                 except grpc.aio.AbortError:
                     code = _code_of(context, "UNKNOWN")
@@ -87,16 +136,19 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             )
             return factory(
                 unary,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
 
         inner_stream = handler.unary_stream or handler.stream_stream
+        streaming_requests = handler.stream_stream is not None
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             code = "OK"
+            result: Any = None
             try:
+                request = _checked_stream(request) if streaming_requests else _checked(request)
                 result = inner_stream(request, context)
                 if inspect.isawaitable(result):
                     # A handler that writes with context.write() (grpc's health Watch does).
@@ -114,6 +166,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 code = map_exception(exc).code.name
                 await _abort_mapped(context, exc, method)
             finally:
+                if result is not None and inspect.isasyncgen(result):
+                    # Closed here, in this task: left to the garbage collector, its
+                    # clean-up would run later in another task (and context).
+                    await result.aclose()
                 finish(context, start, code)
 
         factory = (
@@ -123,6 +179,6 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         )
         return factory(
             stream,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )

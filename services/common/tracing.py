@@ -63,9 +63,43 @@ def tracer(name: str = "llmesh") -> trace.Tracer:
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+    from opentelemetry.instrumentation.grpc import __version__, _aio_server
 
-    return [aio_server_interceptor()]
+    class StreamClosingServerInterceptor(_aio_server.OpenTelemetryAioServerInterceptor):  # type: ignore[misc]
+        """OpenTelemetry's aio server interceptor, with response streams written, not yielded.
+
+        The stock interceptor is an async generator that attaches the caller's context and
+        holds the span across its ``yield``. When a client cancels while grpc is sending a
+        message, grpc drops the generator without closing it; the event loop finalizes it
+        later in another task, where detaching a token made in this task fails and logs an
+        ERROR "Failed to detach context" (once per cancelled stream, in every streaming
+        tier). Here the handler is a coroutine: cancellation lands in it, and the stream
+        below is closed, the span ended and the context detached in the same task.
+        """
+
+        def _intercept_aio_server_stream(self, behavior: Any, handler_call_details: Any) -> Any:
+            async def write_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+                with self._set_remote_context(context), self._start_span(
+                    handler_call_details, context, set_status_on_exception=False
+                ) as span:
+                    traced = _aio_server._OpenTelemetryAioServicerContext(context, span)
+                    responses = behavior(request_or_iterator, traced)
+                    try:
+                        async for response in responses:
+                            await context.write(response)
+                    except Exception as error:
+                        if type(error) is not Exception:  # bare Exceptions are aborts (as upstream)
+                            span.record_exception(error)
+                        raise
+                    finally:
+                        await responses.aclose()
+
+            return write_stream
+
+    return [StreamClosingServerInterceptor(trace.get_tracer(
+        "opentelemetry.instrumentation.grpc", __version__,
+        schema_url="https://opentelemetry.io/schemas/1.11.0",
+    ))]
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
