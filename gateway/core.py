@@ -272,7 +272,7 @@ class GatewayCore:
             engine_call = _to_engine_sampling(call, max_tokens, self.config.default_temperature)
             generation = TokenGeneration(
                 request_id=request_id, model=meta.id, prompt_token_ids=encoded.token_ids,
-                sampling=engine_call.sampling, priority=call.priority,
+                sampling=engine_call.sampling, priority=call.priority, tenant=tenant.name,
             )
             post_config = PostConfig(
                 model=meta.id, stop=list(call.sampling.stop), filter_mode=tenant.filter_mode,

@@ -170,6 +170,7 @@ class GrpcRouterTier(_Replicas):
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
         message = router_pb2.GenerateRequest(
             request=convert.token_request(request), resume_token_ids=resume_token_ids, resumed=resumed,
+            tenant=request.tenant,
         )
         call = self.stubs[replica % self.replicas].Generate(message, timeout=timeout)
         try:

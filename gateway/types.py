@@ -82,6 +82,8 @@ class TokenGeneration:
     prompt_token_ids: list[int]
     sampling: Sampling
     priority: int = 0
+    tenant: str = ""
+    """The authenticated tenant's name: the router bounds each tenant's share of its queue."""
 
 
 @dataclass

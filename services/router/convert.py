@@ -20,6 +20,7 @@ def route_request_from_proto(message: router_pb2.GenerateRequest) -> RouteReques
         request=message.request,
         resume_token_ids=tuple(message.resume_token_ids),
         resumed=message.resumed,
+        tenant=message.tenant,
     )
 
 

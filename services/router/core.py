@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
@@ -59,6 +59,8 @@ class RouteRequest:
     resume_token_ids: tuple[int, ...] = ()
     """Tokens an earlier router already delivered: appended to the prompt, not re-sent."""
     resumed: int = 0
+    tenant: str = ""
+    """The caller's tenant (set by the gateway): admission limits each tenant's queue share."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class _Attempt:
     worker: WorkerState
     affinity: bool
     released: bool = False
+    started: float = field(default_factory=time.monotonic)
+    """When the slot was taken: its hold time feeds admission's drain rate."""
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -139,7 +143,11 @@ class Router:
         )
         self.admission: Admission[_Attempt] = Admission(
             settings.max_queue,
+            tenant_share=settings.tenant_queue_share,
+            queue_timeout_s=settings.queue_timeout_s,
+            window=settings.drain_window,
             on_depth=lambda priority, depth: metrics.QUEUE_DEPTH.labels(str(priority)).set(depth),
+            on_refuse=lambda reason: metrics.ADMISSION_REFUSED.labels(reason).inc(),
         )
         self._clients: dict[str, WorkerClient] = {}
         self._dispatchers: dict[str, BatchDispatcher] = {}
@@ -263,9 +271,6 @@ class Router:
         metrics.WORKER_HEALTHY.labels(*labels).set(1 if state.healthy else 0)
         metrics.WORKER_CIRCUIT.labels(*labels).set(CIRCUIT_CODES[state.circuit])
         metrics.WORKER_IN_FLIGHT.labels(*labels).set(state.in_flight)
-        self.admission.capacity_hint = max(
-            1, sum(w.capacity for w in self.registry if w.healthy)
-        )
         self.admission.wake()
 
     async def _load_checksums(self) -> bool:
@@ -349,6 +354,8 @@ class Router:
         attempt.released = True
         attempt.worker.in_flight -= 1
         _export_in_flight(attempt.worker)
+        self.admission.released(time.monotonic() - attempt.started)
+        metrics.DRAIN_RATE.set(self.admission.drain_rate() or 0.0)
         self.admission.wake()
 
     def _backoff_s(self, failures: int) -> float:
@@ -426,7 +433,7 @@ class Router:
                 try:
                     attempt = await self.admission.acquire(
                         functools.partial(self._pick, model, key, frozenset(failed)),
-                        request.priority, deadline, self._release,
+                        request.priority, deadline, self._release, tenant=route.tenant,
                     )
                 except ResourceExhausted:
                     metrics.REJECTED.inc()
@@ -474,7 +481,6 @@ class Router:
                                     event.finish_reason), "worker ended the request",
                             )
                         worker.breaker.record_success()
-                        self.admission.observe_service_time(time.monotonic() - start)
                         finished = True
                         _annotate(
                             current_span, worker, stream, retries, resumes, attempt.affinity,

@@ -40,10 +40,24 @@ WINDOW_WAIT = Histogram(
     buckets=(0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
 )
 QUEUE_DEPTH = Gauge(
-    "llmesh_router_queue_depth", "Requests waiting for worker capacity, by priority.", ["priority"]
+    "llmesh_router_queue_depth",
+    "Requests waiting for worker capacity, by priority (one queue; max_queue bounds the sum).",
+    ["priority"],
 )
 REJECTED = Counter(
-    "llmesh_router_rejected", "Requests refused with RESOURCE_EXHAUSTED (queue full)."
+    "llmesh_router_rejected",
+    "Requests refused with RESOURCE_EXHAUSTED by admission, all reasons together.",
+)
+ADMISSION_REFUSED = Counter(
+    "llmesh_router_admission_refused",
+    "Admission refusals (RESOURCE_EXHAUSTED + RetryInfo) by reason: expected_wait (would "
+    "not be served within its deadline or queue_timeout_s), tenant_share, queue_full, "
+    "displaced (by a higher priority), queue_timeout (waited queue_timeout_s).",
+    ["reason"],
+)
+DRAIN_RATE = Gauge(
+    "llmesh_router_drain_rate",
+    "Worker slots freed per second as measured for admission (held slots / mean hold time).",
 )
 ROUTED = Counter(
     "llmesh_router_routed_requests", "Attempts dispatched to a worker, by zone.", ["zone", "degraded"]

@@ -92,9 +92,19 @@ class RouterSettings(ServerSettings):
     worker_capacity: int = 0
     """Requests the router keeps in flight per worker; 0 uses the worker's max_num_seqs."""
     max_queue: int = 64
-    """Requests that may wait for capacity per priority class before RESOURCE_EXHAUSTED."""
+    """Requests that may wait for a worker slot, all priorities together; beyond it an
+    arrival is refused with RESOURCE_EXHAUSTED, unless it outranks a waiter (then the
+    newest lowest-priority waiter is refused instead). Higher ``priority`` is served first."""
+    tenant_queue_share: float = 0.5
+    """Fraction of max_queue one tenant's waiting requests may take (at least 1), so one
+    tenant cannot fill the queue; callers that send no tenant count as one tenant."""
     queue_timeout_s: float = 30.0
-    """Longest wait for capacity before a queued request fails with RESOURCE_EXHAUSTED."""
+    """Longest wait for a worker slot: a queued request still waiting after it fails with
+    RESOURCE_EXHAUSTED, and one whose expected wait (queue position / measured drain rate)
+    exceeds it, or exceeds its remaining deadline less one service time, is refused at
+    once with a RetryInfo of that expected wait. 0 leaves only the deadline."""
+    drain_window: int = 64
+    """Recent slot releases whose mean hold time gives the drain rate (held slots / mean)."""
     resume_mode: Literal["replay", "prefill"] = "replay"
     """How a stream resumes on another worker after tokens were delivered: ``replay``
     sends the original prompt plus the delivered tokens as forced decode steps (a greedy

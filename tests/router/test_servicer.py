@@ -291,10 +291,16 @@ async def test_overload_is_resource_exhausted_with_retry_info() -> None:
         assert retry.retry_delay.ToMilliseconds() >= 100
         assert REGISTRY.get_sample_value("llmesh_router_queue_depth", {"priority": "0"}) == 1
         assert (REGISTRY.get_sample_value("llmesh_router_rejected_total") or 0) >= 1
-        # A different priority class has its own bound.
+        assert REGISTRY.get_sample_value(
+            "llmesh_router_admission_refused_total", {"reason": "queue_full"}) >= 1
+        # One queue for every priority: a higher one displaces the queued lower one.
         other = asyncio.ensure_future(rut.generate([4], 2, priority=1))
-        (t1, _), (t2, _), (t4, _) = await asyncio.gather(running, queued, other)
-        assert len(t1) == 20 and len(t2) == 2 and len(t4) == 2
+        with pytest.raises(grpc.aio.AioRpcError) as displaced:
+            await queued
+        assert displaced.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "displaced" in (displaced.value.details() or "")
+        (t1, _), (t4, _) = await asyncio.gather(running, other)
+        assert len(t1) == 20 and len(t4) == 2
     finally:
         await stop_all(rut, workers)
 

@@ -1,14 +1,9 @@
-"""Pure unit tests: circuit breaker, batching window adaptation, routing, admission."""
+"""Pure unit tests: circuit breaker, batching window adaptation, routing (admission: test_admission.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
-import pytest
-
-from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
-from services.router.admission import Admission, NoCapacity
 from services.router.batching import AdaptiveWindow
 from services.router.breaker import Circuit, CircuitBreaker
 from services.router.registry import SERVING, ChecksumBook, Load, WorkerInfo, WorkerState
@@ -208,90 +203,3 @@ def test_checksum_book() -> None:
     assert book.expected("m") == "sha256:good"
     assert book.check("n", "sha256:first", "w3") == ""  # first worker sets it
     assert book.check("n", "sha256:second", "w4")
-
-
-# ---- admission --------------------------------------------------------------------------
-
-
-class Slots:
-    def __init__(self, n: int) -> None:
-        self.free = n
-        self.unavailable = False
-
-    def pick(self) -> str:
-        if self.unavailable:
-            raise Unavailable("nothing")
-        if self.free <= 0:
-            raise NoCapacity()
-        self.free -= 1
-        return "slot"
-
-    def release(self, _: str) -> None:
-        self.free += 1
-
-
-async def test_admission_immediate_queue_and_priority_order() -> None:
-    slots = Slots(1)
-    adm: Admission[str] = Admission(max_queue=2)
-    assert await adm.acquire(slots.pick, 0, None, slots.release) == "slot"
-    order: list[str] = []
-
-    async def waiter(name: str, priority: int) -> None:
-        await adm.acquire(slots.pick, priority, None, slots.release)
-        order.append(name)
-
-    tasks = [asyncio.ensure_future(waiter("low", 5)), asyncio.ensure_future(waiter("high", 0))]
-    await asyncio.sleep(0.01)
-    assert adm.depth() == 2 and order == []
-    for _ in range(2):
-        slots.release("slot")
-        adm.wake()
-        await asyncio.sleep(0.01)
-    await asyncio.gather(*tasks)
-    assert order == ["high", "low"]
-    assert adm.depth() == 0
-
-
-async def test_admission_full_queue_is_resource_exhausted_with_hint() -> None:
-    slots = Slots(0)
-    adm: Admission[str] = Admission(max_queue=1)
-    task = asyncio.ensure_future(adm.acquire(slots.pick, 0, None, slots.release))
-    await asyncio.sleep(0.01)
-    with pytest.raises(ResourceExhausted) as err:
-        await adm.acquire(slots.pick, 0, None, slots.release)
-    assert 0.1 <= err.value.retry_after_s <= 10
-    # Another priority class has its own bound.
-    other = asyncio.ensure_future(adm.acquire(slots.pick, 1, None, slots.release))
-    await asyncio.sleep(0.01)
-    assert adm.depths() == {0: 1, 1: 1}
-    task.cancel()
-    other.cancel()
-    await asyncio.gather(task, other, return_exceptions=True)
-    assert adm.depth() == 0
-
-
-async def test_admission_deadline_and_unavailable_while_waiting() -> None:
-    import time
-
-    slots = Slots(0)
-    adm: Admission[str] = Admission(max_queue=4)
-    with pytest.raises(DeadlineExceeded):
-        await adm.acquire(slots.pick, 0, time.monotonic() + 0.05, slots.release)
-    task = asyncio.ensure_future(adm.acquire(slots.pick, 0, None, slots.release))
-    await asyncio.sleep(0.01)
-    slots.unavailable = True
-    adm.wake()
-    with pytest.raises(Unavailable):
-        await task
-
-
-async def test_admission_releases_slot_handed_to_cancelled_waiter() -> None:
-    slots = Slots(0)
-    adm: Admission[str] = Admission(max_queue=4)
-    task = asyncio.ensure_future(adm.acquire(slots.pick, 0, None, slots.release))
-    await asyncio.sleep(0.01)
-    slots.free = 1
-    adm.wake()  # the slot is reserved for the waiter...
-    task.cancel()  # ...which is cancelled before it runs
-    await asyncio.gather(task, return_exceptions=True)
-    assert slots.free == 1
