@@ -8,9 +8,10 @@ RESOURCE_EXHAUSTED and a retry hint:
 
 - ``tenant_share``: the caller's tenant already holds its share of the queue, so one
   tenant cannot fill it for everybody;
-- ``expected_wait``: the expected wait for its place in the queue, plus one service
-  time, exceeds what is left of its deadline, or the wait alone exceeds
-  ``queue_timeout_s``: it would expire in the queue, so it is told now, not then;
+- ``expected_wait``: the expected wait for its place in the queue (plus ``wait_margin``
+  of it, for the estimate's error) and one mean service time exceed what is left of its
+  deadline, or the wait alone exceeds ``queue_timeout_s``: it would expire in the queue
+  or on the worker, so it is told now, not then;
 - ``queue_full``: the queue holds ``max_queue`` requests none of which has a lower
   priority (a higher-priority arrival displaces the newest lowest-priority waiter, which
   is refused with reason ``displaced``).
@@ -75,7 +76,8 @@ class Admission(Generic[T]):
         *,
         tenant_share: float = 1.0,
         queue_timeout_s: float = 0.0,
-        window: int = 64,
+        wait_margin: float = 0.2,
+        window: int = 32,
         clock: Callable[[], float] = time.monotonic,
         on_depth: Callable[[int, int], None] | None = None,
         on_refuse: Callable[[RefusalReason], None] | None = None,
@@ -85,6 +87,8 @@ class Admission(Generic[T]):
         """Most requests one tenant may have waiting."""
         self.queue_timeout_s = queue_timeout_s
         """Longest wait in the queue; 0 = bounded by the deadline only."""
+        self.wait_margin = max(0.0, wait_margin)
+        """Fraction added to an expected wait before it is held against the deadline."""
         self._clock = clock
         self._on_depth = on_depth
         """Called with (priority, depth) whenever a priority's queue depth changes."""
@@ -182,7 +186,7 @@ class Admission(Generic[T]):
             budget = None if deadline is None else deadline - now - mean_hold
             if self.queue_timeout_s > 0 and (budget is None or self.queue_timeout_s < budget):
                 budget = self.queue_timeout_s
-            if budget is not None and wait > budget:
+            if budget is not None and wait * (1.0 + self.wait_margin) > budget:
                 self._refuse(
                     "expected_wait", position,
                     f"router overloaded: expected wait {wait:.2f}s at queue position {position} "

@@ -145,6 +145,7 @@ class Router:
             settings.max_queue,
             tenant_share=settings.tenant_queue_share,
             queue_timeout_s=settings.queue_timeout_s,
+            wait_margin=settings.queue_wait_margin,
             window=settings.drain_window,
             on_depth=lambda priority, depth: metrics.QUEUE_DEPTH.labels(str(priority)).set(depth),
             on_refuse=lambda reason: metrics.ADMISSION_REFUSED.labels(reason).inc(),

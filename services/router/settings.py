@@ -103,7 +103,10 @@ class RouterSettings(ServerSettings):
     RESOURCE_EXHAUSTED, and one whose expected wait (queue position / measured drain rate)
     exceeds it, or exceeds its remaining deadline less one service time, is refused at
     once with a RetryInfo of that expected wait. 0 leaves only the deadline."""
-    drain_window: int = 64
+    queue_wait_margin: float = 0.2
+    """Fraction added to a request's expected wait before it is held against its deadline,
+    for the estimate's error (the drain rate lags when service slows down with load)."""
+    drain_window: int = 32
     """Recent slot releases whose mean hold time gives the drain rate (held slots / mean)."""
     resume_mode: Literal["replay", "prefill"] = "replay"
     """How a stream resumes on another worker after tokens were delivered: ``replay``
