@@ -1,4 +1,9 @@
-"""Audit log: one JSON line per request, with hashes and sizes but never raw text."""
+"""Audit log: one JSON line per request, with hashes and sizes but never raw text.
+
+Events: ``request`` (every generate call, whatever its outcome) and ``auth_failure``
+(a refused credential: surface, peer, reason and a hashed key prefix, never the key).
+Every client-controlled value in a record is bounded before it gets here.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +26,10 @@ class AuditLog:
             target.parent.mkdir(parents=True, exist_ok=True)
             self._stream = open(target, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
-    def write(self, entry: dict[str, Any]) -> None:
+    def write(self, entry: dict[str, Any], event: str = "request") -> None:
         if self._stream is None:
             return
-        record = {"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": "request", **entry}
+        record = {"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": event, **entry}
         line = json.dumps(record, sort_keys=True, default=str)
         with self._lock:
             self._stream.write(line + "\n")

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from gateway import metrics
 from gateway.audit import AuditLog
-from gateway.tenants import RateLimiter, Tenant, TenantRegistry
+from gateway.tenants import AuthenticationFailed, RateLimiter, Tenant, TenantRegistry
 from gateway.types import (
     ChatTurn,
     Completion,
@@ -42,15 +42,15 @@ from gateway.types import (
     TokenGeneration,
     TokenLogprob,
 )
-from gateway.validation import Limits, check_context, validate_call, validate_input
+from gateway.validation import check_context, validate_call, validate_request
 from services.common.errors import (
     DeadlineExceeded,
-    FieldViolation,
     InvalidArgument,
     LlmeshError,
     NotFound,
     Unavailable,
 )
+from services.common.limits import RequestLimits, clip
 from services.common.logs import request_id_var
 from services.common.tracing import tracer
 
@@ -117,7 +117,7 @@ class Deadline:
 
 @dataclass
 class GatewayConfig:
-    limits: Limits = field(default_factory=Limits)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     default_model: str = ""
     default_max_tokens: int = 512
     default_temperature: float | None = 0.0
@@ -128,6 +128,18 @@ class GatewayConfig:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def scoped_request_id(tenant: Tenant, client_id: str) -> str:
+    """The id router and workers know a request by: ``<tenant scope>/<client id>``.
+
+    A client-chosen id is only unique within its tenant: scoped, it neither collides with
+    nor reveals (through "already running" or Abort) another tenant's request. The scope
+    is a hash of the tenant name, so ids stay short and of one alphabet whatever the name;
+    "/" never occurs in a client id, so the split is unambiguous.
+    """
+    scope = hashlib.sha256(tenant.name.encode()).hexdigest()[:12]
+    return f"t{scope}/{client_id}"
 
 
 def _to_engine_sampling(
@@ -165,6 +177,8 @@ class GatewayCore:
         self._models_at = 0.0
         self._rr_router = 0
         self._rr_post = 0
+        self._running: set[str] = set()
+        """Scoped ids of the requests in progress (a tenant may not reuse a running id)."""
 
     # -- models -------------------------------------------------------------------
 
@@ -187,7 +201,24 @@ class GatewayCore:
         for meta in models:
             if meta.id == wanted:
                 return meta
-        raise NotFound(f"model: {wanted!r} is not served (served: {', '.join(m.id for m in models)})")
+        raise NotFound(f"model: {clip(wanted)!r} is not served (served: {', '.join(m.id for m in models)})")
+
+    # -- authentication -------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None, *, peer: str, surface: str) -> Tenant:
+        """The caller's tenant; a refusal is counted, audited and logged, then raised."""
+        try:
+            return self.tenants.authenticate(authorization)
+        except AuthenticationFailed as exc:
+            self.record_auth_failure(exc, peer=peer, surface=surface)
+            raise
+
+    def record_auth_failure(self, exc: AuthenticationFailed, *, peer: str, surface: str) -> None:
+        metrics.AUTH_FAILURES.labels(surface, exc.reason).inc()
+        entry = {"surface": surface, "peer": clip(peer, 64), "reason": exc.reason,
+                 "key_sha256_prefix": exc.key_sha256_prefix}
+        self.audit.write(entry, event="auth_failure")
+        log.warning("authentication failed (%s) from %s", exc.reason, entry["peer"], extra={"fields": entry})
 
     # -- tokenize -------------------------------------------------------------------
 
@@ -195,12 +226,8 @@ class GatewayCore:
         self, tenant: Tenant, model: str, prompt: str, messages: list[ChatTurn],
         add_generation_prompt: bool | None, deadline: Deadline,
     ) -> tuple[ModelMeta, Encoded]:
+        validate_request(GenerateCall(model=model, prompt=prompt, messages=messages), self.config.limits)
         meta = await self.resolve_model(model, deadline)
-        violations: list[FieldViolation] = []
-        validate_input(GenerateCall(model=model, prompt=prompt, messages=messages),
-                       self.config.limits, violations)
-        if violations:
-            raise InvalidArgument.many(violations)
         self.limiter.admit(tenant)
         encoded = await self.tokenizer.encode(
             meta.id, prompt, messages, add_generation_prompt=add_generation_prompt,
@@ -234,13 +261,17 @@ class GatewayCore:
     ) -> AsyncIterator[TextDelta | Completion]:
         """Text deltas as the postprocessor releases them, then one Completion."""
         start = time.monotonic()
-        request_id = call.request_id or uuid.uuid4().hex
-        request_id_var.set(request_id)  # every log line of this call carries it
+        limits = self.config.limits
+        # Until validate_request passes, what the client sent is only logged clipped.
+        client_id = (clip(call.request_id, limits.max_request_id_chars) if call.request_id
+                     else uuid.uuid4().hex)
+        request_id = scoped_request_id(tenant, client_id)
+        request_id_var.set(request_id)  # every log line of this call, in every tier, carries it
         span = tracer().start_span("gateway.generate")
         span.set_attribute("llmesh.request_id", request_id)
         span.set_attribute("llmesh.tenant", tenant.name)
         audit = {
-            "tenant": tenant.name, "request_id": request_id, "model": call.model,
+            "tenant": tenant.name, "request_id": client_id, "model": clip(call.model, limits.max_model_chars),
             "prompt_chars": len(call.prompt) + sum(len(m.content) for m in call.messages),
             "messages": len(call.messages),
             "prompt_sha256": sha256_text(
@@ -250,7 +281,15 @@ class GatewayCore:
         status = "OK"
         output_parts: list[str] = []
         completion: Completion | None = None
+        registered = False
         try:
+            validate_request(call, limits)
+            if request_id in self._running:
+                raise InvalidArgument(
+                    "request_id", f"{client_id!r} is already in use by a running request of this tenant"
+                )
+            self._running.add(request_id)
+            registered = True
             meta = await self.resolve_model(call.model, deadline)
             audit["model"] = meta.id
             span.set_attribute("llmesh.model", meta.id)
@@ -286,7 +325,7 @@ class GatewayCore:
                     continue
                 completion = item
             assert completion is not None
-            completion.request_id = request_id
+            completion.request_id = client_id  # the client's own id, never the scoped one
             completion.model = meta.id
             completion.prompt_tokens = prompt_tokens
             completion.timing.total_ms = (time.monotonic() - start) * 1000
@@ -315,6 +354,8 @@ class GatewayCore:
             status = "INTERNAL"
             raise
         finally:
+            if registered:
+                self._running.discard(request_id)
             span.set_attribute("llmesh.status", status)
             span.end()
             output = "".join(output_parts)

@@ -21,6 +21,7 @@ from opentelemetry import propagate, trace
 
 from gateway.core import Deadline, GatewayCore
 from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant
 from gateway.types import ChatTurn, Completion, GenerateCall, ModelMeta, Sampling, TextDelta
 from services.common.errors import InvalidArgument, LlmeshError, NotFound, map_exception
 from services.common.tracing import tracer
@@ -185,6 +186,12 @@ def _llmesh_extra(c: Completion) -> dict[str, Any]:
                        "total_ms": c.timing.total_ms}}
 
 
+def _authenticate(request: web.Request) -> Tenant:
+    return request.app[CORE_KEY].authenticate(
+        request.headers.get("Authorization"), peer=request.remote or "", surface="http"
+    )
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -199,7 +206,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     core = request.app[CORE_KEY]
     body: dict[str, Any] | None = None
     try:
-        tenant = core.tenants.authenticate(request.headers.get("Authorization"))
+        tenant = _authenticate(request)  # before the body is read
         body = await _body(request)
         call = chat_call(body) if chat else completion_call(body)
         stream = _field(body, "stream", bool, False)
@@ -303,7 +310,7 @@ def _model_object(m: ModelMeta) -> dict[str, Any]:
 async def models(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
     try:
-        core.tenants.authenticate(request.headers.get("Authorization"))
+        _authenticate(request)
         metas = await core.list_models(Deadline.after(10))
     except LlmeshError as exc:
         return _json_error(exc)
@@ -315,7 +322,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
     name = request.match_info["model"]
     try:
-        core.tenants.authenticate(request.headers.get("Authorization"))
+        _authenticate(request)
         # An empty id would resolve to the default model; OpenAI has no such alias.
         meta = await core.resolve_model(name, Deadline.after(10)) if name else None
         if meta is None:
@@ -369,8 +376,11 @@ async def openai_errors(
         return web.json_response(body, status=status, headers=headers)
 
 
-def build_app(core: GatewayCore) -> web.Application:
-    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[traced, openai_errors])
+def build_app(core: GatewayCore, max_body_bytes: int = 0) -> web.Application:
+    """The HTTP application; bodies beyond ``max_body_bytes`` (default: what the core's
+    request limits allow in JSON) are refused with 413 as they are read."""
+    limit = max_body_bytes or core.config.limits.max_json_bytes()
+    app = web.Application(client_max_size=limit, middlewares=[traced, openai_errors])
     app[CORE_KEY] = core
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -400,7 +410,8 @@ def server_ssl_context(settings: GatewaySettings) -> ssl.SSLContext | None:
 async def start_http(core: GatewayCore, settings: GatewaySettings) -> web.AppRunner:
     # handler_cancellation: a client that hangs up on a non-streamed request cancels the
     # handler, and with it the generation downstream, instead of running it to the end.
-    runner = web.AppRunner(build_app(core), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(build_app(core, settings.http_max_request_bytes()), access_log=None,
+                           handler_cancellation=True)
     await runner.setup()
     context = server_ssl_context(settings)
     site = web.TCPSite(runner, settings.http_host, settings.http_port, ssl_context=context)

@@ -31,6 +31,12 @@ TPOT_SECONDS = Histogram(
 RATE_LIMITED = Counter(
     "llmesh_gateway_rate_limited", "Requests refused with RESOURCE_EXHAUSTED, by tenant.", ["tenant"]
 )
+AUTH_FAILURES = Counter(
+    "llmesh_gateway_auth_failures",
+    "Calls refused for their credentials, by surface (grpc, http) and reason (missing, malformed, "
+    "unknown_key).",
+    ["surface", "reason"],
+)
 FAILOVERS = Counter(
     "llmesh_gateway_failovers",
     "Streams moved to another replica by the gateway (router retry/resume, postprocessor replay).",

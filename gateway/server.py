@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
-from gateway.servicer import InferenceServicer
+from gateway.servicer import AuthGate, InferenceServicer
 from gateway.settings import GatewaySettings
 from gateway.tenants import TenantRegistry, load_tenants
 from gateway.tiers import GrpcPostprocessorTier, GrpcRouterTier, GrpcTokenizerTier
-from gateway.validation import Limits
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.common.server import ServerHandle, create_server, run_until_signal
 
@@ -50,12 +49,7 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
         tokenizer, router, post,
         tenants=TenantRegistry(tenants, default_filter_mode=settings.default_filter_mode),
         config=GatewayConfig(
-            limits=Limits(
-                max_prompt_chars=settings.max_prompt_chars, max_messages=settings.max_messages,
-                max_message_chars=settings.max_message_chars,
-                max_stop_strings=settings.max_stop_strings, max_stop_chars=settings.max_stop_chars,
-                max_logprobs=settings.max_logprobs,
-            ),
+            limits=settings.limits(),
             default_model=settings.default_model,
             default_max_tokens=settings.default_max_tokens,
             default_temperature=settings.default_temperature if settings.default_temperature >= 0 else None,
@@ -74,6 +68,10 @@ async def create_gateway(settings: GatewaySettings) -> Gateway:
         settings, tier="gateway",
         register=lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
         service_names=[SERVICE_NAME],
+        # Keys are checked before a message is read, and no message beyond what the
+        # request limits allow is accepted at all (see GatewaySettings.max_request_bytes).
+        extra_interceptors=[AuthGate(core)],
+        max_receive_message_bytes=settings.grpc_max_request_bytes(),
     )
     return Gateway(handle=handle, core=core, tiers=tiers, audit=audit)
 

@@ -2,23 +2,63 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
 from gateway import convert
 from gateway.core import Deadline, GatewayCore
-from gateway.tenants import Tenant
+from gateway.tenants import AuthenticationFailed, Tenant
 from gateway.types import ChatTurn, TextDelta
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.common.errors import InvalidArgument
+from services.common.interceptors import refusing_handler
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+def _find_authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return value if isinstance(value, str) else value.decode()
-    return None
+    return _find_authorization(context.invocation_metadata())
+
+
+class AuthGate(grpc.aio.ServerInterceptor):
+    """Authenticates InferenceService calls from their metadata, before the request is read.
+
+    A call without a valid key costs a hash and a status: its message (up to the size cap)
+    is neither buffered whole nor parsed, so keyless callers cannot make the gateway
+    allocate. The refusal is counted, audited and logged by the core. Health and
+    reflection stay open for probes. The servicer still looks the tenant up (cheap).
+    """
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        try:
+            self.core.tenants.authenticate(_find_authorization(handler_call_details.invocation_metadata))
+        except AuthenticationFailed as exc:
+            refused = exc
+
+            def record(context: grpc.aio.ServicerContext) -> None:
+                self.core.record_auth_failure(refused, peer=context.peer() or "", surface="grpc")
+
+            return refusing_handler(handler, exc, tier="gateway", method=method, on_refused=record)
+        return handler
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> Deadline:
@@ -30,7 +70,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.core = core
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        return self.core.tenants.authenticate(_authorization(context))
+        return self.core.authenticate(_authorization(context), peer=context.peer() or "", surface="grpc")
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext

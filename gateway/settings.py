@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pydantic_settings import SettingsConfigDict
 
+from services.common.limits import RequestLimits, RequestLimitSettings
 from services.common.settings import ServerSettings
 
 
-class GatewaySettings(ServerSettings):
-    """Everything the gateway reads at start-up."""
+class GatewaySettings(ServerSettings, RequestLimitSettings):
+    """Everything the gateway reads at start-up (request limits shared with the tokenizer)."""
 
     model_config = SettingsConfigDict(
         env_prefix="LLMESH_GATEWAY_", frozen=True, use_attribute_docstrings=True, extra="ignore",
@@ -31,16 +32,11 @@ class GatewaySettings(ServerSettings):
     """Output filter for callers without a tenant entry: off, redact or block."""
     audit_log: str = ""
     """Path of the JSON-lines audit log ('-' for stderr, empty to disable)."""
-    max_prompt_chars: int = 200_000
-    """Longest accepted prompt, in characters."""
-    max_messages: int = 256
-    """Most chat messages in one request."""
-    max_message_chars: int = 100_000
-    """Longest accepted chat message content, in characters."""
-    max_stop_strings: int = 16
-    """Most stop strings in one request."""
-    max_stop_chars: int = 256
-    """Longest stop string, in characters."""
+    max_request_bytes: int = 0
+    """Largest request accepted, in bytes: gRPC refuses a bigger message (RESOURCE_EXHAUSTED)
+    before reading it, and HTTP a bigger body (413). 0 derives both from the request limits
+    (every field at its limit: about 0.9 MB for gRPC and 2.6 MB for HTTP's JSON with the
+    defaults)."""
     max_logprobs: int = 20
     """Most top logprobs per token a caller may ask for."""
     default_max_tokens: int = 512
@@ -55,3 +51,12 @@ class GatewaySettings(ServerSettings):
     """OpenAI-compatible HTTP port (-1 disables it)."""
     http_host: str = "127.0.0.1"
     """Address of the OpenAI-compatible HTTP listener."""
+
+    def limits(self) -> RequestLimits:
+        return self.request_limits(max_logprobs=self.max_logprobs)
+
+    def grpc_max_request_bytes(self) -> int:
+        return self.max_request_bytes or self.limits().max_message_bytes()
+
+    def http_max_request_bytes(self) -> int:
+        return self.max_request_bytes or self.limits().max_json_bytes()

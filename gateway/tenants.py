@@ -34,7 +34,19 @@ ANONYMOUS = Tenant(name="anonymous")
 
 
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class AuthenticationFailed(Unauthenticated):
+    """A refused credential, with what may be recorded about it (never the key itself)."""
+
+    def __init__(self, message: str, *, reason: str, key_sha256_prefix: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        """missing, malformed or unknown_key (a bounded set: it labels a metric)."""
+        self.key_sha256_prefix = key_sha256_prefix
+        """The first 12 hex digits of the presented key's SHA-256: repeated attempts with one
+        key can be told apart from many keys, and the key cannot be recovered."""
 
 
 def load_tenants(path: str | Path) -> list[Tenant]:
@@ -80,16 +92,16 @@ class TenantRegistry:
         if not self.secure:
             return self.anonymous
         if not authorization:
-            raise Unauthenticated("missing 'authorization: Bearer <key>' metadata")
+            raise AuthenticationFailed("missing 'authorization: Bearer <key>' metadata", reason="missing")
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise Unauthenticated("authorization metadata must be 'Bearer <key>'")
+            raise AuthenticationFailed("authorization metadata must be 'Bearer <key>'", reason="malformed")
         digest = hash_key(key.strip())
         for known, tenant in self._by_hash.items():
             # Constant-time comparison against every configured hash.
             if hmac.compare_digest(known, digest):
                 return tenant
-        raise Unauthenticated("unknown API key")
+        raise AuthenticationFailed("unknown API key", reason="unknown_key", key_sha256_prefix=digest[:12])
 
 
 class SlidingWindow:

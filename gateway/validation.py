@@ -1,60 +1,90 @@
-"""Validation of public requests. Every failure names the offending field."""
+"""Validation of public requests. Every failure names the offending field.
+
+Two steps: :func:`validate_request` checks sizes, counts and text against the limits
+shared with the tokenizer (:mod:`services.common.limits`) before anything else is done
+for the call, so nothing oversized reaches a log, an audit record or another tier;
+:func:`validate_call` then checks the request against the model it resolved to.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from gateway.types import GenerateCall, ModelMeta
 from services.common.errors import FieldViolation, InvalidArgument
+from services.common.limits import RequestLimits, check_text, clip
 from services.common.sampling_rules import MAX_LOGPROBS, sampling_violations
 
 ROLES = ("system", "user", "assistant", "tool")
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]*$")
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_prompt_chars: int = 200_000
-    max_messages: int = 256
-    max_message_chars: int = 100_000
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256
-    max_logprobs: int = 20
-    max_priority: int = 1000
-
-
-def validate_input(call: GenerateCall, limits: Limits, violations: list[FieldViolation]) -> None:
+def validate_input(call: GenerateCall, limits: RequestLimits, violations: list[FieldViolation]) -> None:
+    """The prompt or conversation: presence, sizes and the text rule."""
     if not call.prompt and not call.messages:
         violations.append(FieldViolation("prompt", "one of prompt or messages is required"))
     if call.prompt and call.messages:
         violations.append(FieldViolation("messages", "set either prompt or messages, not both"))
-    if len(call.prompt) > limits.max_prompt_chars:
-        violations.append(FieldViolation(
-            "prompt", f"{len(call.prompt)} characters exceeds the limit of {limits.max_prompt_chars}"
-        ))
+    check_text("prompt", call.prompt, limits.max_input_chars, violations)
     if len(call.messages) > limits.max_messages:
         violations.append(FieldViolation(
             "messages", f"{len(call.messages)} messages exceeds the limit of {limits.max_messages}"
         ))
-    for i, message in enumerate(call.messages[: limits.max_messages]):
+        return
+    total = sum(len(m.content) for m in call.messages)
+    if total > limits.max_input_chars:
+        violations.append(FieldViolation(
+            "messages", f"{total} characters of content exceeds the limit of {limits.max_input_chars}"
+        ))
+        return
+    for i, message in enumerate(call.messages):
         if message.role not in ROLES:
             violations.append(FieldViolation(
-                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {message.role[:32]!r}"
+                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {clip(message.role, 32)!r}"
             ))
-        if len(message.content) > limits.max_message_chars:
-            violations.append(FieldViolation(
-                f"messages[{i}].content",
-                f"{len(message.content)} characters exceeds the limit of {limits.max_message_chars}",
-            ))
-    if "\x00" in call.prompt:
-        violations.append(FieldViolation("prompt", "must not contain NUL characters"))
+        check_text(f"messages[{i}].content", message.content, limits.max_input_chars, violations)
 
 
-def validate_call(call: GenerateCall, model: ModelMeta, limits: Limits) -> None:
-    """Check everything that can be checked before tokenizing; raise InvalidArgument."""
+def validate_request(call: GenerateCall, limits: RequestLimits) -> None:
+    """Sizes, counts and text of every client-controlled field; raise InvalidArgument.
+
+    Cheap and model-free: run first, so what is logged or audited about a refused call
+    (model, request id) is already known to be bounded.
+    """
     v: list[FieldViolation] = []
+    check_text("model", call.model, limits.max_model_chars, v)
     validate_input(call, limits, v)
+    s = call.sampling
+    if len(s.stop) > limits.max_stop_strings:
+        v.append(FieldViolation(
+            "sampling.stop", f"{len(s.stop)} stop strings exceeds the limit of {limits.max_stop_strings}"
+        ))
+    else:
+        for i, stop in enumerate(s.stop):
+            if not stop:
+                v.append(FieldViolation(f"sampling.stop[{i}]", "must not be empty"))
+            check_text(f"sampling.stop[{i}]", stop, limits.max_stop_chars, v)
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        v.append(FieldViolation(
+            "sampling.stop_token_ids",
+            f"{len(s.stop_token_ids)} token ids exceeds the limit of {limits.max_stop_token_ids}",
+        ))
+    if call.request_id and (
+        len(call.request_id) > limits.max_request_id_chars or not REQUEST_ID_RE.match(call.request_id)
+    ):
+        v.append(FieldViolation(
+            "request_id", f"must be 1-{limits.max_request_id_chars} characters of letters, digits "
+            "and . _ : - (starting alphanumeric)"
+        ))
+    if v:
+        raise InvalidArgument.many(v)
+
+
+def validate_call(call: GenerateCall, model: ModelMeta, limits: RequestLimits) -> None:
+    """Check the request against its model before tokenizing; raise InvalidArgument.
+
+    Expects :func:`validate_request` to have passed (sizes and counts are bounded)."""
+    v: list[FieldViolation] = []
     s = call.sampling
     # The engine's own bounds, shared with the worker (services/common/sampling_rules.py).
     v += sampling_violations(s, "sampling")
@@ -65,17 +95,6 @@ def validate_call(call: GenerateCall, model: ModelMeta, limits: Limits) -> None:
             "sampling.max_tokens",
             f"{s.max_tokens} does not fit the model's context of {model.max_context_length} tokens",
         ))
-    if len(s.stop) > limits.max_stop_strings:
-        v.append(FieldViolation(
-            "sampling.stop", f"{len(s.stop)} stop strings exceeds the limit of {limits.max_stop_strings}"
-        ))
-    for i, stop in enumerate(s.stop[: limits.max_stop_strings]):
-        if not stop:
-            v.append(FieldViolation(f"sampling.stop[{i}]", "must not be empty"))
-        elif len(stop) > limits.max_stop_chars:
-            v.append(FieldViolation(
-                f"sampling.stop[{i}]", f"{len(stop)} characters exceeds the limit of {limits.max_stop_chars}"
-            ))
     for i, token_id in enumerate(s.stop_token_ids):
         if model.vocab_size and token_id >= model.vocab_size:
             v.append(FieldViolation(
@@ -85,10 +104,6 @@ def validate_call(call: GenerateCall, model: ModelMeta, limits: Limits) -> None:
         v.append(FieldViolation("sampling.logprobs", f"must be at most {limits.max_logprobs}"))
     if abs(call.priority) > limits.max_priority:
         v.append(FieldViolation("priority", f"must be within ±{limits.max_priority}"))
-    if call.request_id and not REQUEST_ID_RE.match(call.request_id):
-        v.append(FieldViolation(
-            "request_id", "must be 1-128 characters of letters, digits and . _ : - (starting alphanumeric)"
-        ))
     if v:
         raise InvalidArgument.many(v)
 

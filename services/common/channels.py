@@ -30,10 +30,24 @@ SERVER_KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.max_ping_strikes", 0),
 )
 
+# Internal hops (token ids, frames of many requests). A public server sizes what it
+# receives from its request limits instead: see server_message_options.
 MESSAGE_SIZE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 )
+
+
+def server_message_options(max_receive_bytes: int = 0) -> list[tuple[str, int]]:
+    """Message size options of a server; ``max_receive_bytes`` > 0 caps what it accepts.
+
+    grpc refuses a bigger message (RESOURCE_EXHAUSTED) from its length prefix, before
+    receiving or parsing it.
+    """
+    options = dict(MESSAGE_SIZE_OPTIONS)
+    if max_receive_bytes > 0:
+        options["grpc.max_receive_message_length"] = max_receive_bytes
+    return list(options.items())
 
 
 def _read(path: str) -> bytes | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import InvalidArgument, map_exception
+from services.common.errors import InvalidArgument, LlmeshError, map_exception
 from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,44 @@ def _checked(request: Any) -> Any:
 async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async for request in requests:
         yield _checked(request)
+
+
+def refusing_handler(
+    handler: grpc.RpcMethodHandler,
+    error: LlmeshError,
+    *,
+    tier: str,
+    method: str,
+    on_refused: Callable[[grpc.aio.ServicerContext], None] | None = None,
+) -> grpc.RpcMethodHandler:
+    """A handler for ``handler``'s method that answers ``error`` without reading the request.
+
+    For an interceptor that refuses a call on its metadata alone (a missing API key): it
+    is registered as client-streaming whatever the method is, and grpc only receives a
+    request message when a client-streaming handler asks for one, so the payload of a
+    refused call is never buffered whole nor parsed (a unary handler's message is read
+    before the handler runs). ``on_refused`` sees the context (the peer) first.
+    """
+    short = method.rsplit("/", 1)[-1]
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        RPC_REQUESTS.labels(tier, short, map_exception(error).code.name).inc()
+        if on_refused is not None:
+            on_refused(context)
+        await context.abort_with_status(map_exception(error).to_grpc_status())
+
+    if handler.response_streaming:
+        async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await refuse(requests, context)
+            return
+            yield  # an async generator, as every stream handler behind the tracing interceptor
+
+        return grpc.stream_stream_rpc_method_handler(
+            refuse_stream, request_deserializer=None, response_serializer=handler.response_serializer
+        )
+    return grpc.stream_unary_rpc_method_handler(
+        refuse, request_deserializer=None, response_serializer=handler.response_serializer
+    )
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):

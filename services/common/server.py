@@ -19,9 +19,9 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.authz import caller_authz_interceptors
 from services.common.channels import (
-    MESSAGE_SIZE_OPTIONS,
     SERVER_KEEPALIVE_OPTIONS,
     server_credentials,
+    server_message_options,
 )
 from services.common.interceptors import ErrorMappingInterceptor
 from services.common.settings import ServerSettings
@@ -61,6 +61,7 @@ async def create_server(
     service_names: Sequence[str],
     extra_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tracing: bool = True,
+    max_receive_message_bytes: int = 0,
 ) -> ServerHandle:
     """Build a grpc.aio server with health, reflection and the shared interceptors.
 
@@ -68,6 +69,8 @@ async def create_server(
     until the caller says otherwise. An internal tier (router, worker, tokenizer,
     postprocessor) serving mutual TLS checks each caller's certificate identity against
     its policy (services/common/authz.py) unless ``settings.authorize_callers`` is off.
+    ``max_receive_message_bytes`` > 0 caps request messages (the gateway's, sized from its
+    request limits).
     """
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if tracing:
@@ -85,7 +88,8 @@ async def create_server(
     )
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[*SERVER_KEEPALIVE_OPTIONS, *MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
+        options=[*SERVER_KEEPALIVE_OPTIONS, *server_message_options(max_receive_message_bytes),
+                 ("grpc.so_reuseport", 0)],
     )
     register(server)
     health_servicer = health.aio.HealthServicer()

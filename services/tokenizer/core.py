@@ -25,7 +25,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from services.common.errors import InvalidArgument, NotFound, Unavailable
+from services.common.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
+from services.common.limits import RequestLimits, check_text, clip
 from services.tokenizer.loader import LoadedTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -64,14 +65,6 @@ class EncodeResult:
     @property
     def count(self) -> int:
         return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_batch_inputs: int = 64
-    max_messages: int = 512
-    max_input_chars: int = 1_000_000
-    max_request_chars: int = 4_000_000
 
 
 class RaiseFromTemplate(jinja2.exceptions.TemplateError):
@@ -143,7 +136,14 @@ class PreparedInput:
     truncate_to: int
 
 
-def validate_messages(messages: Sequence[ChatMessage], limits: Limits, field: str) -> None:
+def _check_text(field: str, value: str, max_chars: int) -> None:
+    violations: list[FieldViolation] = []
+    check_text(field, value, max_chars, violations)
+    if violations:
+        raise InvalidArgument.many(violations)
+
+
+def validate_messages(messages: Sequence[ChatMessage], limits: RequestLimits, field: str) -> None:
     if len(messages) > limits.max_messages:
         raise InvalidArgument(
             field, f"{len(messages)} messages exceed the limit of {limits.max_messages}"
@@ -152,9 +152,8 @@ def validate_messages(messages: Sequence[ChatMessage], limits: Limits, field: st
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
         if message.role not in ROLES:
-            raise InvalidArgument(
-                f"{where}.role", f"unknown role {message.role[:32]!r}; expected one of {', '.join(ROLES)}"
-            )
+            raise InvalidArgument(f"{where}.role", f"unknown role {clip(message.role, 32)!r}; "
+                                  f"expected one of {', '.join(ROLES)}")
         if not message.content and message.role in ROLES_NEEDING_CONTENT:
             raise InvalidArgument(f"{where}.content", f"a {message.role} message needs content")
         total += len(message.content)
@@ -163,6 +162,7 @@ def validate_messages(messages: Sequence[ChatMessage], limits: Limits, field: st
                 f"{where}.content",
                 f"conversation exceeds the limit of {limits.max_input_chars} characters",
             )
+        _check_text(f"{where}.content", message.content, limits.max_input_chars)
 
 
 class EncodeBatcher:
@@ -253,7 +253,7 @@ def _encode_batch(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bo
 class TokenizerCore:
     """Every loaded model, the limits, and the encoder."""
 
-    def __init__(self, models: dict[str, LoadedTokenizer], *, limits: Limits | None = None,
+    def __init__(self, models: dict[str, LoadedTokenizer], *, limits: RequestLimits | None = None,
                  threads: int = 2, max_batch: int = 32,
                  on_batch: Callable[[int], None] | None = None) -> None:
         if not models:
@@ -264,7 +264,7 @@ class TokenizerCore:
             for name, model in models.items()
         }
         self.default_model = next(iter(models))
-        self.limits = limits or Limits()
+        self.limits = limits or RequestLimits()
         self.renderers = {name: ChatRenderer(model) for name, model in self.models.items()}
         self.batcher = EncodeBatcher(threads=threads, max_batch=max_batch, on_batch=on_batch)
 
@@ -272,7 +272,7 @@ class TokenizerCore:
         model = self.models.get(name or self.default_model)
         if model is None:
             served = ", ".join(self.models)
-            raise NotFound(f"{field}: model {name[:128]!r} is not served here (served: {served})")
+            raise NotFound(f"{field}: model {clip(name)!r} is not served here (served: {served})")
         return model
 
     def prepare(self, item: EncodeInput, field: str) -> PreparedInput:
@@ -285,11 +285,7 @@ class TokenizerCore:
         if item.truncate_to < 0:
             raise InvalidArgument(f"{field}.truncate_to", "must be >= 0")
         if item.prompt:
-            if len(item.prompt) > self.limits.max_input_chars:
-                raise InvalidArgument(
-                    f"{field}.prompt",
-                    f"{len(item.prompt)} characters exceed the limit of {self.limits.max_input_chars}",
-                )
+            _check_text(f"{field}.prompt", item.prompt, self.limits.max_input_chars)
             add_special = True if item.add_special_tokens is None else item.add_special_tokens
             return PreparedInput(model, item.prompt, add_special, item.truncate_to)
         validate_messages(item.messages, self.limits, f"{field}.messages")
@@ -320,9 +316,9 @@ class TokenizerCore:
                 field, f"{len(items)} inputs exceed the limit of {self.limits.max_batch_inputs}"
             )
         total = sum(len(i.prompt) + sum(len(m.content) for m in i.messages) for i in items)
-        if total > self.limits.max_request_chars:
+        if total > self.limits.max_batch_chars:
             raise InvalidArgument(
-                field, f"{total} characters exceed the request limit of {self.limits.max_request_chars}"
+                field, f"{total} characters exceed the request limit of {self.limits.max_batch_chars}"
             )
         # Validate everything first: a bad input fails the call before any work is done.
         prepared = [self.prepare(item, f"{field}[{i}]") for i, item in enumerate(items)]

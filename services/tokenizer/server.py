@@ -8,7 +8,7 @@ import logging
 from llmesh.tokenizer.v1 import tokenizer_pb2_grpc
 from services.common.server import ServerHandle, create_server, run_until_signal
 from services.tokenizer import metrics
-from services.tokenizer.core import ChatMessage, EncodeInput, Limits, TokenizerCore
+from services.tokenizer.core import ChatMessage, EncodeInput, TokenizerCore
 from services.tokenizer.loader import load_models
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from services.tokenizer.settings import TokenizerSettings
@@ -19,12 +19,7 @@ log = logging.getLogger(__name__)
 def build_core(settings: TokenizerSettings) -> TokenizerCore:
     """Load every configured model (raises ModelLoadError naming the bad file)."""
     models = load_models(settings.model_specs())
-    limits = Limits(
-        max_batch_inputs=settings.max_batch_inputs,
-        max_messages=settings.max_messages,
-        max_input_chars=settings.max_input_chars,
-        max_request_chars=settings.max_request_chars,
-    )
+    limits = settings.limits()  # the limits the gateway shares (services/common/limits.py)
     return TokenizerCore(
         models, limits=limits, threads=settings.encode_threads, max_batch=settings.max_encode_batch,
         on_batch=metrics.ENCODE_BATCH_SIZE.observe,

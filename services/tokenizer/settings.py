@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.limits import RequestLimits, RequestLimitSettings
 from services.common.settings import ServerSettings
 
 
@@ -15,8 +16,8 @@ def default_model_specs() -> list[str]:
     return [f"{DEFAULT_MODEL}={model_path(DEFAULT_MODEL)}"]
 
 
-class TokenizerSettings(ServerSettings):
-    """Settings of the tokenizer tier."""
+class TokenizerSettings(ServerSettings, RequestLimitSettings):
+    """Settings of the tokenizer tier (request limits shared with the gateway)."""
 
     model_config = SettingsConfigDict(
         env_prefix="LLMESH_TOKENIZER_",
@@ -33,16 +34,16 @@ class TokenizerSettings(ServerSettings):
     Empty serves the prepared default model (smollm2-135m-instruct)."""
     max_batch_inputs: int = 64
     """Most inputs one EncodeBatch call may carry."""
-    max_messages: int = 512
-    """Most chat messages in one input."""
-    max_input_chars: int = 1_000_000
-    """Most characters in one prompt, or in all message contents of one conversation."""
     max_request_chars: int = 4_000_000
     """Most characters in all inputs of one EncodeBatch call."""
     encode_threads: int = 2
     """Threads running encode_batch (the Rust tokenizer releases the GIL); about one per core."""
     max_encode_batch: int = 32
     """Most texts encoded in one encode_batch call when requests queue up."""
+
+    def limits(self) -> RequestLimits:
+        return self.request_limits(max_batch_inputs=self.max_batch_inputs,
+                                   max_batch_chars=self.max_request_chars)
 
     def model_specs(self) -> list[str]:
         return list(self.models) or default_model_specs()

@@ -118,12 +118,17 @@ async def test_logs_are_json_with_request_and_trace_ids_and_never_text(channel, 
     rid = "log-check-" + os.urandom(4).hex()
     await s.Generate(request(prompt=PROMPT, request_id=rid, sampling={"max_tokens": 8}),
                      metadata=(*bearer(KEYS["plain"]), ("traceparent", f"00-{trace_id}-{parent}-01")))
+    from gateway.core import scoped_request_id
+    from gateway.tenants import Tenant
+
+    # Logs carry the id every tier knows the request by: the client's, scoped to its tenant.
+    logged_id = scoped_request_id(Tenant("plain"), rid)
     gateway = next(p for p in echo_mesh.procs if p.tier == "gateway")
     assert gateway.log_path is not None
     line = None
     for _ in range(50):  # the line is written when the call ends
         lines = [json.loads(raw) for raw in gateway.log_path.read_text().splitlines() if raw.strip()]
-        line = next((entry for entry in lines if entry.get("request_id") == rid), None)
+        line = next((entry for entry in lines if entry.get("request_id") == logged_id), None)
         if line is not None:
             break
         await asyncio.sleep(0.1)

@@ -27,9 +27,10 @@ from tests.http.conftest import DEMO_KEY, LIMITED_KEY, LIMITED_RPM, client, http
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
 
 
-def _audit(mesh: Mesh) -> list[dict[str, Any]]:
+def _audit(mesh: Mesh, event: str = "request") -> list[dict[str, Any]]:
     path = Path(mesh.config.gateway.audit_log)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [e for e in entries if e["event"] == event]
 
 
 def _error_shape(err: openai.APIStatusError) -> dict[str, Any]:

@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound
+from services.common.limits import RequestLimits
 from services.common.modelinfo import max_context_length, tokenizer_checksum
-from services.tokenizer.core import ChatMessage, EncodeInput, Limits, TokenizerCore
+from services.tokenizer.core import ChatMessage, EncodeInput, TokenizerCore
 from tests.tokenizer.conftest import SMOL, TINY
 
 CONVERSATIONS = [
@@ -31,8 +32,8 @@ def hf_tokenizers(loaded):
 
 @pytest.fixture(scope="module")
 def core(loaded):
-    tc = TokenizerCore(loaded, limits=Limits(max_messages=8, max_input_chars=1000, max_batch_inputs=4,
-                                             max_request_chars=1500))
+    tc = TokenizerCore(loaded, limits=RequestLimits(max_messages=8, max_input_chars=1000, max_batch_inputs=4,
+                                                    max_batch_chars=1500))
     yield tc
     tc.close()
 
@@ -111,6 +112,13 @@ async def test_truncation_keeps_the_end(core):
         (EncodeInput(messages=_messages([("user", "x" * 600), ("user", "y" * 600)])),
          "input.messages[1].content"),
         (EncodeInput(messages=_messages([("user", "x")] * 9)), "input.messages"),
+        # The text rule shared with the gateway (services/common/limits.py): no NUL and no
+        # unpaired surrogates, in prompts and in message content alike.
+        (EncodeInput(prompt="a\x00b"), "input.prompt"),
+        (EncodeInput(prompt="a\ud800b"), "input.prompt"),
+        (EncodeInput(messages=_messages([("user", "a\x00b")])), "input.messages[0].content"),
+        (EncodeInput(messages=_messages([("user", "ok"), ("assistant", "\udfff")])),
+         "input.messages[1].content"),
     ],
 )
 def test_invalid_inputs_name_the_field(core, item, field):
