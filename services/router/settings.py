@@ -91,22 +91,22 @@ class RouterSettings(ServerSettings):
     """Upper bound of the open-circuit time."""
     worker_capacity: int = 0
     """Requests the router keeps in flight per worker; 0 uses the worker's max_num_seqs."""
-    max_queue: int = 64
+    max_queue: int = Field(default=64, ge=0)
     """Requests that may wait for a worker slot, all priorities together; beyond it an
     arrival is refused with RESOURCE_EXHAUSTED, unless it outranks a waiter (then the
     newest lowest-priority waiter is refused instead). Higher ``priority`` is served first."""
-    tenant_queue_share: float = 0.5
+    tenant_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
     """Fraction of max_queue one tenant's waiting requests may take (at least 1), so one
     tenant cannot fill the queue; callers that send no tenant count as one tenant."""
-    queue_timeout_s: float = 30.0
+    queue_timeout_s: float = Field(default=30.0, ge=0.0)
     """Longest wait for a worker slot: a queued request still waiting after it fails with
     RESOURCE_EXHAUSTED, and one whose expected wait (queue position / measured drain rate)
     exceeds it, or exceeds its remaining deadline less one service time, is refused at
     once with a RetryInfo of that expected wait. 0 leaves only the deadline."""
-    queue_wait_margin: float = 0.2
+    queue_wait_margin: float = Field(default=0.2, ge=0.0)
     """Fraction added to a request's expected wait before it is held against its deadline,
     for the estimate's error (the drain rate lags when service slows down with load)."""
-    drain_window: int = 32
+    drain_window: int = Field(default=32, ge=1)
     """Recent slot releases whose mean hold time gives the drain rate (held slots / mean)."""
     resume_mode: Literal["replay", "prefill"] = "replay"
     """How a stream resumes on another worker after tokens were delivered: ``replay``

@@ -268,3 +268,15 @@ async def test_releases_a_slot_handed_to_a_cancelled_waiter() -> None:
     task.cancel()  # ...which is cancelled before it runs
     await asyncio.gather(task, return_exceptions=True)
     assert released == ["slot1"]
+
+
+def test_settings_refuse_admission_values_that_make_no_sense() -> None:
+    from services.router.settings import RouterSettings
+
+    for field, value in (("tenant_queue_share", 0.0), ("tenant_queue_share", 1.5),
+                         ("queue_wait_margin", -0.1), ("drain_window", 0), ("max_queue", -1),
+                         ("queue_timeout_s", -1.0)):
+        with pytest.raises(ValueError, match=field):
+            RouterSettings(**{field: value})
+    settings = RouterSettings()
+    assert (settings.max_queue, settings.tenant_queue_share, settings.queue_timeout_s) == (64, 0.5, 30.0)
