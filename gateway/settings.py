@@ -8,7 +8,7 @@ from services.common.limits import RequestLimits, RequestLimitSettings
 from services.common.settings import ServerSettings
 
 
-class GatewaySettings(ServerSettings, RequestLimitSettings):
+class GatewaySettings(RequestLimitSettings, ServerSettings):
     """Everything the gateway reads at start-up (request limits shared with the tokenizer)."""
 
     model_config = SettingsConfigDict(

@@ -16,7 +16,7 @@ def default_model_specs() -> list[str]:
     return [f"{DEFAULT_MODEL}={model_path(DEFAULT_MODEL)}"]
 
 
-class TokenizerSettings(ServerSettings, RequestLimitSettings):
+class TokenizerSettings(RequestLimitSettings, ServerSettings):
     """Settings of the tokenizer tier (request limits shared with the gateway)."""
 
     model_config = SettingsConfigDict(
