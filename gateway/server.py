@@ -12,12 +12,15 @@ from gateway.servicer import AuthGate, InferenceServicer
 from gateway.settings import GatewaySettings
 from gateway.tenants import TenantRegistry, load_tenants
 from gateway.tiers import GrpcPostprocessorTier, GrpcRouterTier, GrpcTokenizerTier
+from llmesh.router.v1 import router_pb2
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
+from services.common.readiness import UpstreamHealth
 from services.common.server import ServerHandle, create_server, run_until_signal
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
 @dataclass
@@ -101,7 +104,14 @@ async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = No
         if http_runner is not None:
             await http_runner.cleanup()
 
+    # Readiness follows the routers: ready while at least one router replica can serve
+    # (a router is NOT_SERVING while none of its workers can), see services/common/readiness.py.
+    routers = UpstreamHealth(settings.router_targets, ROUTER_SERVICE, tls=settings.client_tls,
+                             on_change=gateway.handle.readiness_changed.set)
+    routers.start()
+    gateway.handle.readiness = lambda: {SERVICE_NAME: routers.any_serving()}
     await run_until_signal(
         gateway.handle, tier="gateway", grace_seconds=settings.grace_seconds, warmup=warmup,
-        close=[close_http, gateway.close], stop_event=stop_event, drain_seconds=settings.drain_seconds,
+        close=[close_http, routers.close, gateway.close], stop_event=stop_event,
+        drain_seconds=settings.drain_seconds,
     )

@@ -8,8 +8,6 @@ import math
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from gateway import convert
 from gateway.core import TierUnavailable
@@ -35,15 +33,8 @@ from services.common.settings import TlsSettings
 _TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
 _TRANSPORT_HINTS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY")
 
-_CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.LlmeshError]] = {
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.CANCELLED: errors.Cancelled,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-}
+ROUTER_FIELD_PREFIXES = ("request.",)
+"""The router's GenerateRequest wraps the public request's fields in ``request``."""
 
 
 def is_transport_failure(err: grpc.aio.AioRpcError) -> bool:
@@ -54,44 +45,21 @@ def is_transport_failure(err: grpc.aio.AioRpcError) -> bool:
     return code is grpc.StatusCode.INTERNAL and any(h in details for h in _TRANSPORT_HINTS)
 
 
-def _field_map(field: str, strip: Sequence[str]) -> str:
-    for prefix in strip:
-        if field.startswith(prefix):
-            return field[len(prefix):]
-    return field
-
-
 def domain_error(err: grpc.aio.AioRpcError, *, tier: str, strip: Sequence[str] = ()) -> errors.LlmeshError:
-    """Turn a downstream status into the domain error the gateway re-raises."""
+    """Turn a downstream status into the domain error the gateway re-raises.
+
+    Field violations keep their details with the internal prefix (``strip``) removed,
+    so the caller sees public field paths; the tier's name prefixes other messages.
+    """
     code = err.code()
     message = err.details() or code.name
-    if is_transport_failure(err) and code is not grpc.StatusCode.UNAVAILABLE:
+    if is_transport_failure(err):
         return TierUnavailable(f"{tier}: {message}")
-    status = rpc_status.from_call(err)
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        violations: list[errors.FieldViolation] = []
-        if status is not None:
-            for detail in status.details:
-                bad = error_details_pb2.BadRequest()
-                if detail.Unpack(bad):
-                    violations += [
-                        errors.FieldViolation(_field_map(v.field, strip), v.description)
-                        for v in bad.field_violations
-                    ]
-        if violations:
-            return errors.InvalidArgument.many(violations)
-        return errors.InvalidArgument("request", message)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        delay = 1.0
-        if status is not None:
-            for detail in status.details:
-                info = error_details_pb2.RetryInfo()
-                if detail.Unpack(info):
-                    delay = info.retry_delay.ToMilliseconds() / 1000
-        return errors.ResourceExhausted(message, retry_after_s=delay)
-    if code is grpc.StatusCode.UNAVAILABLE:
-        return TierUnavailable(f"{tier}: {message}")
-    return _CODE_TO_ERROR.get(code, errors.Internal)(f"{tier}: {message}")
+    mapped = errors.error_from_rpc(err, field_prefixes=tuple(strip))
+    if not isinstance(mapped, errors.InvalidArgument | errors.ResourceExhausted):
+        mapped.message = f"{tier}: {mapped.message}"
+        mapped.args = (mapped.message,)
+    return mapped
 
 
 class _Replicas:
@@ -185,7 +153,7 @@ class GrpcRouterTier(_Replicas):
                     # its client span) ends normally rather than by cancellation.
                     yield convert.router_final(reply.final)
         except grpc.aio.AioRpcError as err:
-            raise domain_error(err, tier="router") from None
+            raise domain_error(err, tier="router", strip=ROUTER_FIELD_PREFIXES) from None
         finally:
             call.cancel()
 
@@ -196,7 +164,7 @@ class GrpcRouterTier(_Replicas):
             )
         except grpc.aio.AioRpcError as err:
             if err.code() is not grpc.StatusCode.NOT_FOUND:
-                raise domain_error(err, tier="router") from None
+                raise domain_error(err, tier="router", strip=ROUTER_FIELD_PREFIXES) from None
 
 
 class GrpcPostSession:

@@ -8,9 +8,10 @@ SERVING, wait for SIGTERM/SIGINT, NOT_SERVING, drain, close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -42,10 +43,34 @@ class ServerHandle:
     service_names: tuple[str, ...]
     events: list[str] = field(default_factory=list)
     """Lifecycle steps in the order they happened (tests assert the shutdown order)."""
+    readiness: Callable[[], Mapping[str, bool]] | None = None
+    """Readiness per health service name while serving, re-read whenever
+    ``readiness_changed`` is set and every ``readiness_interval_s``; None: ready once
+    warmed up. Names it stops returning turn NOT_SERVING."""
+    readiness_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    readiness_interval_s: float = 0.5
+    followed: dict[str, bool] = field(default_factory=dict)
+    """What :meth:`follow_readiness` last set, per health service name."""
+
+    async def follow_readiness(self) -> None:
+        """Keep health in step with :attr:`readiness` until cancelled (the serving phase)."""
+        assert self.readiness is not None
+        while True:
+            self.readiness_changed.clear()
+            current = dict(self.readiness())
+            for name in self.followed.keys() - current.keys():
+                current[name] = False  # e.g. a model no worker serves any more
+            for name, ready in current.items():
+                if self.followed.get(name) != ready:
+                    await self.health.set(name, SERVING if ready else NOT_SERVING)
+                    log.info("readiness of %s: %s", name, "SERVING" if ready else "NOT_SERVING")
+            self.followed = current
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.readiness_changed.wait(), self.readiness_interval_s)
 
     async def set_ready(self, ready: bool) -> None:
         status = SERVING if ready else NOT_SERVING
-        for name in self.service_names:
+        for name in (*self.service_names, *self.followed):
             await self.health.set(name, status)
         self.events.append("ready" if ready else "not_ready")
 
@@ -144,6 +169,7 @@ async def run_until_signal(
             installed.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests): rely on stop_event
+    follower: asyncio.Task[None] | None = None
     await handle.server.start()
     handle.events.append("started")
     await handle.set_live(True)
@@ -162,10 +188,17 @@ async def run_until_signal(
             else:
                 warm.cancel()
         if not stop.is_set():
-            await handle.set_ready(True)
+            if handle.readiness is None:
+                await handle.set_ready(True)
+            else:  # ready while what it depends on can serve (see ServerHandle.readiness)
+                follower = asyncio.ensure_future(handle.follow_readiness())
+                handle.events.append("ready")
             log.info("%s ready", tier)
             await stop.wait()
     finally:
+        if follower is not None:
+            follower.cancel()
+            await asyncio.wait({follower})
         for sig in installed:
             loop.remove_signal_handler(sig)
         log.info("%s stopping", tier)

@@ -158,6 +158,8 @@ class Router:
         """Recent re-submissions: (request id, worker id, tokens already produced)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
+        self.on_change: Callable[[], None] | None = None
+        """Called whenever a worker's health, reachability or circuit may have changed."""
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -241,6 +243,8 @@ class Router:
         metrics.WORKER_HEALTHY.labels(state.worker_id, state.zone).set(0)
         log.info("worker %s removed", address)
         self.admission.wake()
+        if self.on_change is not None:
+            self.on_change()
 
     def _check_info(self, state: WorkerState, info: WorkerInfo) -> None:
         problems = [
@@ -272,6 +276,8 @@ class Router:
         metrics.WORKER_HEALTHY.labels(*labels).set(1 if state.healthy else 0)
         metrics.WORKER_CIRCUIT.labels(*labels).set(CIRCUIT_CODES[state.circuit])
         metrics.WORKER_IN_FLIGHT.labels(*labels).set(state.in_flight)
+        if self.on_change is not None:
+            self.on_change()
         self.admission.wake()
 
     async def _load_checksums(self) -> bool:
@@ -317,6 +323,18 @@ class Router:
         while True:
             await asyncio.sleep(self.settings.dns_interval_s)
             await self.resolve_dns_once()
+
+    def readiness(self) -> dict[str, bool]:
+        """Per model: whether some worker could take a request now (healthy, reachable,
+        circuit letting requests through). A model no worker can serve is not ready."""
+        ready: dict[str, bool] = {}
+        for worker in self.registry:
+            if worker.refused:
+                continue
+            routable = worker.routable()
+            for model in worker.models:
+                ready[model] = ready.get(model, False) or routable
+        return ready
 
     def workers(self) -> list[WorkerState]:
         ladder = self.ladder
@@ -476,9 +494,10 @@ class Router:
                             )
                             return
                         if event.finish_reason in (FINISH_ERROR, FINISH_ABORT):
-                            # The engine died or the worker is draining: not the caller's doing.
+                            # The engine failed this request or the worker is draining (its
+                            # health says so): try elsewhere, without blaming the worker.
                             raise WorkerCallError(
-                                "transport", "ENGINE_" + common_pb2.EngineFinishReason.Name(
+                                "failed", "ENGINE_" + common_pb2.EngineFinishReason.Name(
                                     event.finish_reason), "worker ended the request",
                             )
                         worker.breaker.record_success()
@@ -504,7 +523,9 @@ class Router:
                     if not exc.retryable:
                         raise _caller_error(exc) from None
                     if exc.kind == "transport":
-                        worker.breaker.record_failure()
+                        # Only the link or the worker failing moves the breaker; a worker
+                        # whose probes still answer needs several failures in a row.
+                        worker.breaker.record_failure(answering=worker.healthy)
                         self._on_worker_change(worker)
                     failures += 1
                     failed.add(worker.address)
@@ -561,14 +582,9 @@ class Router:
 
 
 def _caller_error(exc: WorkerCallError) -> LlmeshError:
-    """A worker's refusal of the request itself, passed on to the caller."""
-    if exc.code == "INVALID_ARGUMENT":
-        field, sep, description = exc.message.partition(": ")
-        if sep and " " not in field:
-            return InvalidArgument(field, description)
-        return InvalidArgument("request", exc.message)
-    if exc.code == "NOT_FOUND":
-        return NotFound(exc.message)
+    """A worker's refusal of the request itself, passed on to the caller unchanged."""
+    if exc.error is not None:
+        return exc.error
     if exc.kind == "deadline":
         return DeadlineExceeded(exc.message)
     if exc.kind == "cancelled":

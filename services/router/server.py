@@ -68,7 +68,19 @@ async def build_server(
         register=lambda server: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
     )
+    # Readiness tells the truth: the service is ready while some model can be served,
+    # and "<service>/<model>" per model; health changes and breaker trips re-evaluate it
+    # at once, the interval catches circuits that half-open with time.
+    handle.readiness = lambda: readiness_by_name(router.readiness())
+    handle.readiness_interval_s = max(0.1, settings.load_interval_ms / 1000.0)
+    router.on_change = handle.readiness_changed.set
     return RouterServer(handle, router)
+
+
+def readiness_by_name(models: dict[str, bool]) -> dict[str, bool]:
+    """Health service names -> ready: the router's service, and one name per model."""
+    return {SERVICE_NAME: any(models.values()),
+            **{f"{SERVICE_NAME}/{model}": ready for model, ready in models.items()}}
 
 
 async def serve(
@@ -79,16 +91,16 @@ async def serve(
 ) -> None:
     """Run the router until SIGTERM/SIGINT (or ``stop_event``).
 
-    Warm-up connects the workers and waits briefly for one to be healthy; the router
-    reports SERVING even if none is (requests then get UNAVAILABLE), since workers may
-    start after it.
+    Warm-up connects the workers and waits briefly for one to be healthy. From then on
+    readiness follows the workers: NOT_SERVING while no worker can serve (requests would
+    get UNAVAILABLE), SERVING again as soon as one can (see ``readiness_by_name``).
     """
     server = await build_server(settings)
 
     async def warmup() -> None:
         await server.router.start()
         if not await server.router.wait_ready(timeout=10.0):
-            log.warning("no healthy worker yet; serving anyway (requests get UNAVAILABLE)")
+            log.warning("no healthy worker yet; NOT_SERVING until one is")
 
     await run_until_signal(
         server.handle,

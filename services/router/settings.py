@@ -83,8 +83,10 @@ class RouterSettings(ServerSettings):
     """Consecutive failed load polls after which a worker stops receiving traffic."""
     unreachable_failover_polls: int = 2
     """Consecutive missed load polls after which requests running on a worker resume elsewhere."""
-    breaker_failures: int = 1
-    """Consecutive transport failures of requests that open a worker's circuit."""
+    breaker_failures: int = Field(default=3, ge=2)
+    """Consecutive transport failures of requests that open the circuit of a worker that
+    still answers its health watch and load polls (at least 2: one failure of an answering
+    worker is not enough). A worker that stops answering leaves routing at once anyway."""
     breaker_base_backoff_s: float = 0.5
     """Open-circuit time after the first trip; doubles on every failed half-open trial."""
     breaker_max_backoff_s: float = 30.0

@@ -291,7 +291,8 @@ class WorkerCore:
         runnable: list[EngineRequest] = []
         seen: set[str] = set()
         for i, req in enumerate(reqs):
-            prefix = f"requests[{i}]"
+            # A refusal belongs to that request alone: name its fields as Generate would.
+            prefix = "request"
             if isinstance(req, Failed):
                 yield (ids[i] if ids is not None else ""), req
                 continue

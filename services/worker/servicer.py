@@ -49,9 +49,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateBatchResponse]:
         reqs: list[EngineRequest | Failed] = []
-        for i, r in enumerate(request.requests):
+        for r in request.requests:
             try:
-                adapter = self.core.adapter_for(r.model, f"requests[{i}].model")
+                adapter = self.core.adapter_for(r.model, "request.model")
                 reqs.append(convert.request_from_proto(r, adapter))
             except NotFound as exc:  # an unknown model fails that request, not the batch
                 reqs.append(Failed(exc))

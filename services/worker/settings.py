@@ -79,7 +79,8 @@ class WorkerSettings(ServerSettings):
     seed: int | None = None
     """vLLM seed for the engine's random state (None: vLLM's default)."""
     scheduling_policy: str = "fcfs"
-    """vLLM scheduling_policy: fcfs, or priority (then request priority orders the queue)."""
+    """vLLM scheduling_policy: fcfs, or priority (then a request's priority orders the engine's
+    queue, higher first as in llmesh.v1)."""
     cpu_kvcache_space_gb: float | None = None
     """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE before the engine starts)."""
     cpu_omp_threads_bind: str = ""

@@ -225,7 +225,8 @@ class VllmEngine:
             raise rejected(exc) from exc
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         lora = self._loras.get(request.adapter) if request.adapter else None
-        priority = request.priority if self.priority_scheduling else 0
+        # llmesh serves higher priority first (llmesh.v1); vLLM schedules lower values first.
+        priority = -request.priority if self.priority_scheduling else 0
         to_skip = len(request.replay_token_ids)
         try:
             async for out in self.llm.generate(

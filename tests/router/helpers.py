@@ -76,12 +76,13 @@ class RouterUnderTest:
 
 def request(prompt: Sequence[int], max_tokens: int = 8, request_id: str = "", *,
             model: str = "", resume: Sequence[int] = (), resumed: int = 0,
-            priority: int = 0, ignore_eos: bool = False) -> router_pb2.GenerateRequest:
+            priority: int = 0, ignore_eos: bool = False,
+            temperature: float = 0.0) -> router_pb2.GenerateRequest:
     token_request = common_pb2.TokenRequest(
         request_id=request_id, model=model, prompt_token_ids=list(prompt), priority=priority
     )
     token_request.sampling.max_tokens = max_tokens
-    token_request.sampling.temperature = 0.0
+    token_request.sampling.temperature = temperature
     if ignore_eos:
         token_request.sampling.ignore_eos = True
     return router_pb2.GenerateRequest(

@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from llmesh.router.v1 import router_pb2
+from services.router.breaker import Circuit
 from services.router.core import Router
 from tests.router.fakeworker import FakeWorker, RunningFake, next_token, start_fake
 from tests.router.helpers import request, start_router, wait_for
@@ -61,7 +62,7 @@ async def test_generate_streams_tokens_with_served_by() -> None:
 
 async def test_failover_before_first_token_goes_to_next_worker() -> None:
     workers = await fakes("zone-a", "zone-b")
-    workers[0].worker.fail_before_first = 1
+    workers[0].worker.fail_before_first = 3
     rut = await start_router([(w.address, w.worker.zone) for w in workers])
     try:
         tokens, final = await rut.generate([5, 6], 5)
@@ -69,9 +70,16 @@ async def test_failover_before_first_token_goes_to_next_worker() -> None:
         assert final.retries == 1 and final.served_by.resumed == 0
         assert final.served_by.zone == "zone-b"
         status = await rut.status()
+        # One failure of a worker whose health and load polls still answer: it stays in.
+        assert status[workers[0].address].circuit == router_pb2.CIRCUIT_STATE_CLOSED
+        for _ in range(2):
+            tokens, final = await rut.generate([5, 6], 2)
+            assert final.retries == 1 and final.served_by.zone == "zone-b"
+        status = await rut.status()
         assert status[workers[0].address].circuit == router_pb2.CIRCUIT_STATE_OPEN
         # After the backoff the circuit half-opens and a trial closes it again.
-        await asyncio.sleep(0.6)
+        breaker = rut.router.registry.workers[workers[0].address].breaker
+        await wait_for(lambda: breaker.state is Circuit.HALF_OPEN, timeout=5.0)
         tokens, final = await rut.generate([5, 6], 2)
         assert final.served_by.zone == "zone-a"
         status = await rut.status()
@@ -396,14 +404,15 @@ async def test_metrics_count_retries_resumes_and_batches() -> None:
     before = (value("llmesh_router_retries_total"), value("llmesh_router_batch_size_count"),
               value("llmesh_router_routed_requests_total", {"zone": "zone-b", "degraded": "false"}))
     workers = await fakes("zone-a", "zone-b")
-    workers[0].worker.fail_before_first = 1
+    workers[0].worker.fail_before_first = 3
     rut = await start_router([(w.address, w.worker.zone) for w in workers], breaker_base_backoff_s=30)
     try:
-        await rut.generate([5, 6], 2)
-        assert value("llmesh_router_retries_total") == before[0] + 1
+        for _ in range(3):  # three transport failures in a row open the circuit
+            await rut.generate([5, 6], 2)
+        assert value("llmesh_router_retries_total") == before[0] + 3
         assert value("llmesh_router_batch_size_count") >= before[1] + 2
         assert value("llmesh_router_routed_requests_total",
-                     {"zone": "zone-b", "degraded": "false"}) == before[2] + 1
+                     {"zone": "zone-b", "degraded": "false"}) == before[2] + 3
         assert value("llmesh_router_worker_circuit_state", {"worker": "zone-a-0", "zone": "zone-a"}) == 1
         assert value("llmesh_router_worker_healthy", {"worker": "zone-b-1", "zone": "zone-b"}) == 1
     finally:
@@ -423,5 +432,61 @@ async def test_abort_while_queued_finishes_without_running() -> None:
         tokens, final = await asyncio.wait_for(queued, 5)
         assert tokens == [] and final.final.finish_reason == 3  # ABORT
         assert all(r.request_id != "queued" for r in workers[0].worker.requests)
+    finally:
+        await stop_all(rut, workers)
+
+
+# ---- request faults are the request's, not the worker's -------------------------------------
+
+
+async def test_a_burst_of_rejected_requests_never_takes_a_worker_out() -> None:
+    """Poison requests (a temperature the engine refuses) interleaved with normal ones:
+    the poison gets INVALID_ARGUMENT naming the field, every normal one is served, and
+    no worker's circuit moves (issue 16: one such request used to eject every worker)."""
+    workers = await fakes("zone-a", "zone-b")
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], batch_max_wait_ms=30,
+                             batch_max_size=8, worker_capacity=8)
+    try:
+        async def poison(i: int) -> grpc.aio.AioRpcError:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await rut.generate([1, i], 2, temperature=5.0)
+            return err.value
+
+        results = await asyncio.gather(*(
+            poison(i) if i % 2 else rut.generate([2, i], 3) for i in range(40)
+        ))
+        bad = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(bad) == 20
+        for err in bad:
+            assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+            (violations,) = details(err)
+            assert isinstance(violations, error_details_pb2.BadRequest)
+            assert violations.field_violations[0].field.endswith("sampling.temperature")
+        for i in range(0, 40, 2):  # every normal request got exactly its own tokens
+            result = results[i]
+            assert not isinstance(result, grpc.aio.AioRpcError)
+            assert result[0] == expected_tokens([2, i], 3)
+        # Some arrived in batches with poison in them: the batch-mates were still served.
+        assert max(workers[0].worker.batch_sizes) > 1
+        status = await rut.status()
+        for w in workers:
+            assert status[w.address].circuit == router_pb2.CIRCUIT_STATE_CLOSED
+            assert status[w.address].health == "SERVING"
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_an_engine_failure_of_one_request_is_retried_without_blaming_the_worker() -> None:
+    workers = await fakes("zone-a", "zone-b")
+    workers[0].worker.internal_errors = 1
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        tokens, final = await rut.generate([5, 6], 4)
+        assert tokens == expected_tokens([5, 6], 4)
+        assert final.retries == 1 and final.served_by.zone == "zone-b"
+        breaker = rut.router.registry.workers[workers[0].address].breaker
+        assert breaker.state is Circuit.CLOSED and breaker.failures == 0
+        _, final = await rut.generate([5, 6], 2)
+        assert final.served_by.zone == "zone-a"
     finally:
         await stop_all(rut, workers)

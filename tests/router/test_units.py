@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from services.router.batching import AdaptiveWindow
 from services.router.breaker import Circuit, CircuitBreaker
 from services.router.registry import SERVING, ChecksumBook, Load, WorkerInfo, WorkerState
 from services.router.routing import Policy, ZoneLadder, choose, prefix_key
+from services.router.settings import RouterSettings
 
 
 class Clock:
@@ -61,6 +64,24 @@ def test_breaker_success_resets_failure_count() -> None:
     breaker.record_success()
     breaker.record_failure()
     assert breaker.state is Circuit.CLOSED
+
+
+def test_breaker_needs_several_failures_of_an_answering_worker_but_one_of_a_silent_one() -> None:
+    answering = CircuitBreaker(clock=Clock())
+    assert answering.failure_threshold == 3
+    answering.record_failure()
+    answering.record_failure()
+    assert answering.state is Circuit.CLOSED and answering.failures == 2
+    answering.record_failure()
+    assert answering.state is Circuit.OPEN
+    silent = CircuitBreaker(clock=Clock())
+    silent.record_failure(answering=False)
+    assert silent.state is Circuit.OPEN
+
+
+def test_breaker_threshold_below_two_is_refused_in_settings() -> None:
+    with pytest.raises(ValueError, match="breaker_failures"):
+        RouterSettings(breaker_failures=1)
 
 
 # ---- batching window -----------------------------------------------------------------
@@ -129,7 +150,7 @@ def test_zone_ladder_prefers_best_zone_and_falls_back() -> None:
     assert choose([k, b, a], "m", LADDER, None).worker is a  # busier, but the better zone
     a.health = "NOT_SERVING"
     assert choose([k, b, a], "m", LADDER, None).worker is b
-    b.breaker.record_failure()  # circuit opens
+    b.breaker.record_failure(answering=False)  # a worker that stopped answering: circuit opens
     choice = choose([k, b, a], "m", LADDER, None)
     assert choice.worker is k and LADDER.is_degraded(choice.zone)
     k.reachable = False

@@ -242,7 +242,7 @@ async def test_duplicate_request_ids_are_rejected(fake_worker: RunningWorker) ->
                                                       token_request("x", [6], max_tokens=2)])
     responses = [r async for r in fake_worker.stub.GenerateBatch(batch)]
     errors = [r.error for r in responses if r.HasField("error")]
-    assert [v.field for e in errors for v in e.field_violations] == ["requests[1].request_id"]
+    assert [v.field for e in errors for v in e.field_violations] == ["request.request_id"]
     assert sum(r.HasField("final") for r in responses) == 1  # the first "x" ran
     await wait_idle(fake_worker)
 
@@ -258,8 +258,9 @@ async def test_one_bad_request_fails_alone_in_its_batch(fake_worker: RunningWork
     errors = {r.request_id: r.error for r in responses if r.HasField("error")}
     assert set(errors) == {"bad", "hot", "lost"}
     assert errors["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert [v.field for v in errors["bad"].field_violations] == ["requests[1].sampling.top_p"]
-    assert [v.field for v in errors["hot"].field_violations] == ["requests[2].sampling.temperature"]
+    # Named as in a single Generate: the error is that request's alone.
+    assert [v.field for v in errors["bad"].field_violations] == ["request.sampling.top_p"]
+    assert [v.field for v in errors["hot"].field_violations] == ["request.sampling.temperature"]
     assert errors["lost"].code == grpc.StatusCode.NOT_FOUND.value[0]
     ok = [r for r in responses if r.request_id == "ok"]
     assert sum(len(r.delta.token_ids) for r in ok) == 2 and ok[-1].HasField("final")
