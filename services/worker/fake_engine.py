@@ -13,7 +13,9 @@ replay on resume gives the same continuation.
 
 It honours ``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` (a stop id is
 only produced if the hash lands on it), ``logprobs``, abort, a running-request limit
-(further requests wait, and count as waiting) and a per-token delay. It emits EOS only
+(further requests wait, and count as waiting) and a step time: one shared timer per step
+gives every running request its next token at once (:class:`StepClock`), as a batched
+accelerator does. It emits EOS only
 with ``eos_after``: then EOS follows the ``eos_after``-th generated token of a request.
 """
 
@@ -94,6 +96,38 @@ def _logprob(token: int, n_top: int, model: FakeModel) -> TokenLogprob:
     return TokenLogprob(token_id=token, logprob=-0.25, top=top)
 
 
+class StepClock:
+    """One timer per engine step for every running request, like a batched accelerator.
+
+    A request waiting for its next token joins the step that is pending (the first waiter
+    arms it); when it fires, every request waiting on it gets its token at the same time,
+    as one forward pass over the running batch would give them. So a capacity run sees
+    one wake-up per step, not one timer per token per request: it measures llmesh, not
+    the fake. ``steps`` counts fired steps (tokens per step = batch occupancy).
+    """
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.steps = 0
+        self._pending: asyncio.Event | None = None
+
+    async def tick(self) -> None:
+        if self.step_s <= 0:
+            await asyncio.sleep(0)
+            return
+        if self._pending is None:
+            self._pending = asyncio.Event()
+            asyncio.get_running_loop().call_later(self.step_s, self._fire)
+        # Event.wait is cancel-safe: an aborted request leaves the step to the others.
+        await self._pending.wait()
+
+    def _fire(self) -> None:
+        step, self._pending = self._pending, None
+        self.steps += 1
+        if step is not None:
+            step.set()
+
+
 class FakeEngine:
     """Implements :class:`services.worker.engine.Engine` deterministically."""
 
@@ -110,6 +144,8 @@ class FakeEngine:
         self.model = FakeModel.from_dir(model_dir, max_model_len)
         self.echo = echo
         self.token_delay_s = max(0.0, token_delay_ms) / 1000.0
+        self.clock = StepClock(self.token_delay_s)
+        """Every running request gets one token per step of ``token_delay_ms``."""
         self.eos_after = eos_after
         self.max_running = max(1, max_running)
         self._running: set[str] = set()
@@ -244,10 +280,7 @@ class FakeEngine:
                 yield EngineOutput([], finish_reason=FinishReason.LENGTH, queue_ms=queue_ms,
                                    ttft_ms=ttft_ms, prompt_tokens=prompt_tokens)
                 return
-            if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s)
-            else:
-                await asyncio.sleep(0)
+            await self.clock.tick()
             if not self._wedged.is_set():
                 await self._wedged.wait()
             if self._dead:

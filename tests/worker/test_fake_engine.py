@@ -168,3 +168,21 @@ async def test_echo_repeats_the_prompt_and_resumes_by_replay(tiny_deepseek_dir: 
                         sampling=Sampling(max_tokens=3, ignore_eos=True))
     rest = [t async for out in engine.generate(req) for t in out.token_ids]
     assert rest == tokens[4:]
+
+
+async def test_one_step_gives_every_running_request_its_token(tiny_deepseek_dir: Path) -> None:
+    """Step-based like a batched accelerator: 8 concurrent requests of 10 tokens take
+    about 10 steps of one shared timer, not 80 timers; an aborted request leaves the
+    step to the others (cancel-safe)."""
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=10, max_running=16)
+    results = await asyncio.gather(*(run(engine, [5, i], max_tokens=10) for i in range(8)))
+    assert all(len(tokens) == 10 for tokens, _ in results)
+    assert 10 <= engine.clock.steps <= 13, engine.clock.steps
+    before = engine.clock.steps
+    victim = asyncio.ensure_future(run(engine, [9, 9], max_tokens=50))
+    survivor = asyncio.ensure_future(run(engine, [7, 7], max_tokens=5))
+    await asyncio.sleep(0.025)
+    victim.cancel()
+    tokens, last = await survivor
+    assert tokens == fake_greedy([7, 7], 5, engine.model) and last.finish_reason is FinishReason.LENGTH
+    assert engine.clock.steps - before <= 7
