@@ -83,6 +83,10 @@ class BenchOptions:
     batching_levels: tuple[int, ...]
     batching_wait_ms: float
     fake_token_delay_ms: float
+    capacity_streams: int = 128
+    capacity_tokens: int = 256
+    capacity_step_ms: float = 2.0
+    capacity_requests_per_stream: int = 1
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -466,6 +470,61 @@ def run_batching(opts: BenchOptions) -> dict[str, Any]:
             "runs": runs, "comparison": comparison}
 
 
+# --------------------------------------------------------------------------- capacity
+
+
+def run_capacity(opts: BenchOptions) -> dict[str, Any]:
+    """The serving layer's own cost: the whole mesh over the step-based fake engine.
+
+    ``capacity_streams`` concurrent GenerateStream calls of ``capacity_tokens`` tokens
+    each (ignore_eos, greedy), the fake producing one token per running request every
+    ``capacity_step_ms``, as an accelerator does per engine step. Reports tokens/s to the
+    client and CPU microseconds per output token of every tier (from /proc, user+system,
+    each tier's whole process tree); the load generator's own CPU is not counted.
+    """
+    config = _fake_mesh_config(opts, token_delay_ms=opts.capacity_step_ms, batch_max_wait_ms=None)
+    spec = WorkloadSpec(prompt_words=(16, 48), output_tokens=(opts.capacity_tokens, opts.capacity_tokens))
+    total = opts.capacity_streams * opts.capacity_requests_per_stream
+    requests = make_workload(total, seed=opts.seed + 777, spec=spec)
+    print(f"llmesh bench: capacity, fake engine {opts.capacity_step_ms:g} ms per step, "
+          f"{opts.capacity_streams} streams x {opts.capacity_tokens} tokens", file=sys.stderr)
+    with _started_mesh(config, opts.log_dir / "capacity") as mesh:
+        cpu = CpuMeter(_mesh_cpu_groups(mesh.state()["processes"]))
+        driver = LlmeshGrpcDriver(f"{config.gateway.host}:{config.gateway.port}", opts.model_name)
+
+        async def drive() -> LevelResult:
+            async with driver:
+                # Warm every tier (channels, first-request paths) outside the measurement.
+                await run_level(driver, make_workload(4, seed=opts.seed, spec=spec), 4)
+                with _bar(opts, " capacity", total) as bar:
+                    return await run_level(driver, requests, opts.capacity_streams, cpu=cpu,
+                                           on_result=lambda _r: bar.update())
+
+        level = asyncio.run(drive())
+    summary = level.summary()
+    tokens = summary["output_tokens"]
+    us_per_token = {tier: _round_us(cpu_s / tokens) if tokens else None
+                    for tier, cpu_s in level.cpu_s.items()}
+    us_per_token["total"] = _round_us(sum(level.cpu_s.values()) / tokens) if tokens else None
+    return {
+        "engine": f"fake, step-based, {opts.capacity_step_ms:g} ms per step",
+        "streams": opts.capacity_streams,
+        "tokens_per_request": opts.capacity_tokens,
+        "requests": total,
+        "errors": summary["errors"],
+        "error_samples": summary["error_samples"],
+        "output_tokens": tokens,
+        "output_tokens_per_s": summary["output_tokens_per_s"],
+        "ttft_ms": summary["ttft_ms"],
+        "cpu_us_per_token": us_per_token,
+        "note": "client CPU excluded; on a 2-core box the load generator competes with the mesh",
+    }
+
+
+def _round_us(seconds: float) -> float:
+    return round(seconds * 1e6, 1)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -541,6 +600,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--batching-concurrency", type=_levels, default=(1, 32),
                    help="levels of the batching phase")
     o.add_argument("--batching-wait-ms", type=float, default=5.0, help="router batch_max_wait_ms when on")
+    c = p.add_argument_group("capacity phase (the serving layer's own CPU cost)")
+    c.add_argument("--capacity", action="store_true",
+                   help="run only the capacity phase: the whole mesh over the step-based fake engine")
+    c.add_argument("--capacity-streams", type=int, default=128, help="concurrent GenerateStream calls")
+    c.add_argument("--capacity-tokens", type=int, default=256, help="output tokens per request")
+    c.add_argument("--capacity-step-ms", type=float, default=2.0,
+                   help="fake engine step time: every running request gets one token per step")
+    c.add_argument("--capacity-requests-per-stream", type=int, default=1,
+                   help="requests each stream sends one after the other")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")
@@ -576,6 +644,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         batching_levels=args.batching_concurrency,
         batching_wait_ms=args.batching_wait_ms,
         fake_token_delay_ms=args.fake_token_delay_ms,
+        capacity_streams=args.capacity_streams,
+        capacity_tokens=args.capacity_tokens,
+        capacity_step_ms=args.capacity_step_ms,
+        capacity_requests_per_stream=args.capacity_requests_per_stream,
     )
 
 
@@ -613,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
         "systems": {},
     }
     try:
+        if args.capacity:
+            report["capacity"] = run_capacity(opts)
+            args.skip_llmesh = args.skip_reference = args.skip_overhead = args.skip_batching = True
         if not args.skip_llmesh:
             report["systems"]["llmesh"] = run_llmesh(opts, args)
         if not args.skip_reference:

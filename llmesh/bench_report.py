@@ -206,7 +206,7 @@ def cpu_table(report: Mapping[str, Any]) -> str:
 
 def text_summary(report: Mapping[str, Any]) -> str:
     """What ``llmesh bench`` prints at the end."""
-    parts = [level_table(report)]
+    parts = [level_table(report)] if report.get("systems") else []
     cpu = cpu_table(report)
     if cpu:
         parts += ["", "CPU seconds per 1k output tokens:", cpu]
@@ -218,6 +218,13 @@ def text_summary(report: Mapping[str, Any]) -> str:
                          f"total {_fmt(figs['latency_ms']['p50'], 2)} ms, errors {figs['errors']}")
         for key, value in overhead.get("added_ms", {}).items():
             parts.append(f"- added {key}: {_fmt(value, 2)} ms")
+    capacity = report.get("capacity")
+    if capacity:
+        parts += ["", f"Capacity, {capacity['engine']} engine, {capacity['streams']} streams x "
+                  f"{capacity['tokens_per_request']} tokens: {_fmt(capacity['output_tokens_per_s'])} tok/s "
+                  f"to the client, {capacity['errors']} errors", "",
+                  "| tier | CPU us per output token |", "| --- | ---: |"]
+        parts += [f"| {tier} | {_fmt(us, 1)} |" for tier, us in capacity["cpu_us_per_token"].items()]
     batching = report.get("batching")
     if batching:
         parts += ["", f"Batching window on ({batching.get('on_ms')} ms) vs off, "

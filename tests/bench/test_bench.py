@@ -204,3 +204,23 @@ def test_percentile_and_ratio() -> None:
     assert rows[0]["output_tokens_per_s"] == 0.5 and rows[0]["ttft_ms.p50"] == 1.2
     assert rows[0]["ttft_p50_added_ms"] == 2.0
     assert rows[0]["itl_ms.p99"] is None
+
+
+def test_capacity_phase_reports_cpu_per_token_of_every_tier(tiny_deepseek_dir: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``--capacity``: the whole mesh over the step-based fake engine; the report has
+    tokens/s and CPU microseconds per output token for every tier (shape only, never speed)."""
+    argv = ["--capacity", "--model", str(tiny_deepseek_dir), "--capacity-streams", "6",
+            "--capacity-tokens", "16", "--capacity-step-ms", "1", "--out", str(tmp_path / "out"),
+            "--no-progress"]
+    assert bench.main(argv) == 0
+    capacity = _report(tmp_path)["capacity"]
+    assert capacity["errors"] == 0, capacity["error_samples"]
+    assert capacity["requests"] == 6 and capacity["output_tokens"] == 6 * 16
+    assert capacity["output_tokens_per_s"] > 0
+    per_token = capacity["cpu_us_per_token"]
+    assert set(per_token) == TIERS | {"total"}
+    assert all(us is not None and us >= 0 for us in per_token.values())
+    assert per_token["total"] == pytest.approx(sum(v for k, v in per_token.items() if k != "total"), abs=1)
+    out = capsys.readouterr().out
+    assert "| tier | CPU us per output token |" in out and "| gateway |" in out
