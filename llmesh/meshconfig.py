@@ -12,7 +12,8 @@ A YAML file; every key is optional::
              settings: {...}}
     workers:                          # one process each
       - {zone: zone-a, device: cpu, engine: vllm, cpu_omp_threads_bind: "0",
-         settings: {max_num_seqs: 32, ...}}
+         settings: {max_num_seqs: 32, ...},              # any WorkerSettings field
+         engine_args: {kv_cache_dtype: fp8, ...}}        # any other vLLM EngineArgs field
     tls: {enabled: false, mutual: true, certs_dir: ""}  # certs from `llmesh certs`, one per tier
     tenants:                          # API keys are stored only as SHA-256
       - {name: demo, key_sha256: <hex>, requests_per_minute: 30, tokens_per_minute: 0,
@@ -67,6 +68,11 @@ class WorkerConfig(_Strict):
     model: str = ""
     """Overrides the mesh's model for this worker."""
     settings: dict[str, Any] = Field(default_factory=dict)
+    """Any WorkerSettings field, e.g. tensor_parallel_size, data_parallel_size,
+    distributed_executor_backend."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Any other vLLM engine argument by its EngineArgs name (the worker's --engine-args);
+    the worker refuses an unknown name at start-up."""
 
 
 class TlsConfig(_Strict):

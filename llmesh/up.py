@@ -206,6 +206,8 @@ class Mesh:
                 settings.setdefault("cpu_kvcache_space_gb", DEFAULT_CPU_KVCACHE_GB)
             if w.cpu_omp_threads_bind:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = w.cpu_omp_threads_bind
+            if w.engine_args:
+                settings["engine_args"] = {**settings.get("engine_args", {}), **w.engine_args}
             args = ["--model", str(model_dir), "--served-model-name", self.model_name,
                     "--zone", w.zone, "--device", w.device, "--engine", w.engine,
                     "--worker-id", f"worker-{i}-{w.zone}", *_flags(settings)]

