@@ -10,6 +10,7 @@ from llmesh.worker.v1 import worker_pb2
 from services.common.errors import request_error_to_proto
 from services.worker.core import Delta, Failed, Final, LoadReport, WorkerIdentity
 from services.worker.engine import EngineInfo, EngineRequest, FinishReason, Sampling
+from services.worker.session import Frame, Submission
 
 FINISH_REASONS: dict[FinishReason, Any] = {
     FinishReason.STOP: common_pb2.ENGINE_FINISH_REASON_STOP,
@@ -117,3 +118,31 @@ def model_info_to_proto(identity: WorkerIdentity, info: EngineInfo) -> worker_pb
         pid=identity.pid,
         vocab_size=info.vocab_size,
     )
+
+
+def submission_from_proto(sub: worker_pb2.SessionSubmit, adapter: str | Exception) -> Submission:
+    """A session submission; ``adapter`` is the LoRA name, or why the model is unknown."""
+    request: EngineRequest | Failed = (
+        Failed(adapter) if isinstance(adapter, Exception) else request_from_proto(sub.request, adapter)
+    )
+    return Submission(
+        handle=sub.handle, request=request, timeout_s=sub.timeout_s or None,
+        trace_context={"traceparent": sub.traceparent} if sub.traceparent else {},
+    )
+
+
+def frame_to_proto(frame: Frame) -> worker_pb2.SessionResponse:
+    """One frame in column layout: handles, token counts and the token ids back to back."""
+    out = worker_pb2.SessionResponse()
+    for handle, token_ids, logprobs in frame.tokens:
+        out.handles.append(handle)
+        out.token_counts.append(len(token_ids))
+        out.token_ids.extend(token_ids)
+        if logprobs is not None:
+            out.logprobs.append(worker_pb2.SessionLogprobs(
+                handle=handle, logprobs=delta_to_proto(Delta(token_ids, logprobs)).logprobs))
+    for handle, final in frame.finals:
+        out.finals.append(worker_pb2.SessionFinal(handle=handle, final=final_to_proto(final)))
+    for handle, error in frame.errors:
+        out.errors.append(worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
+    return out

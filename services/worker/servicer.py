@@ -14,6 +14,7 @@ from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.worker import convert
 from services.worker.core import Failed, Final, WorkerCore
 from services.worker.engine import EngineRequest
+from services.worker.session import WorkerSession
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -59,6 +60,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async with contextlib.aclosing(self.core.generate_batch(reqs, ids)) as events:
             async for request_id, event in events:
                 yield convert.batch_response(request_id, event)
+
+    async def Session(
+        self, request_iterator: AsyncIterator[worker_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.SessionResponse]:
+        core = self.core
+        session = WorkerSession(core)
+
+        def adapter(sub: worker_pb2.SessionSubmit) -> str | Exception:
+            try:
+                return core.adapter_for(sub.request.model, "request.model")
+            except NotFound as exc:
+                return exc
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for sub in message.submit:
+                    session.submit(convert.submission_from_proto(sub, adapter(sub)))
+                for handle in message.abort:
+                    session.abort(handle)
+            session.input_done()
+
+        reader = asyncio.ensure_future(read())
+        reader.add_done_callback(lambda _t: session.input_done())
+        try:
+            async for frame in session.frames():
+                yield convert.frame_to_proto(frame)
+        finally:
+            reader.cancel()
+            await session.close()  # the caller went away: abort what still runs
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
