@@ -5,19 +5,32 @@ call. The window adapts to the worker's pressure (load / capacity, smoothed): an
 worker gets every request immediately; as pressure rises the window grows toward
 ``max_wait_ms`` and ``max_size`` (larger batches at peak, when the engine is queueing
 anyway and one call per batch saves per-request overhead); it shrinks as load drops.
+
+With ``session`` (router setting ``worker_transport: session``) there is one long-lived
+Session per worker instead of calls: a window's requests go out as one message of
+submissions, and the worker answers with one frame per engine step for all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from opentelemetry import propagate
+
 from llmesh.common.v1 import common_pb2
 from services.common.logs import request_id_var
-from services.router.workerapi import StreamEvent, WorkerCallError, WorkerClient
+from services.router.workerapi import (
+    SessionSubmit,
+    StreamEvent,
+    WorkerCallError,
+    WorkerClient,
+    WorkerSessionLink,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +88,10 @@ class AttemptStream:
     batch_size: int = 0
     sent: bool = False
     single_task: asyncio.Task[None] | None = None
+    handle: int | None = None
+    """Its handle in the worker session (``worker_transport: session``)."""
+    traceparent: str = ""
+    """The submitting request's trace context, captured where it was submitted."""
     done: bool = False
     cancelled: bool = False
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -122,8 +139,16 @@ class BatchDispatcher:
         window: AdaptiveWindow,
         pressure: Callable[[], float],
         observer: BatchObserver | None = None,
+        *,
+        session: bool = False,
     ) -> None:
         self.client = client
+        self.session = session
+        """Send over one long-lived worker Session (frames per step) instead of calls."""
+        self._link: WorkerSessionLink | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._by_handle: dict[int, AttemptStream] = {}
+        self._handles = itertools.count(1)
         self.window = window
         self._pressure = pressure
         self._observer = observer
@@ -152,6 +177,7 @@ class BatchDispatcher:
         self._live.clear()
         for task in list(self._tasks):
             task.cancel()
+        self._drop_link()
         return failed
 
     @property
@@ -161,6 +187,10 @@ class BatchDispatcher:
     def submit(self, request: common_pb2.TokenRequest, deadline: float | None) -> AttemptStream:
         """Queue ``request`` (``deadline`` is a ``time.monotonic()`` instant or None)."""
         stream = AttemptStream(request.request_id, self)
+        if self.session:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            stream.traceparent = carrier.get("traceparent", "")
         self._live = {s for s in self._live if not s.done and not s.cancelled}
         self._live.add(stream)
         self.window.observe(self._pressure())
@@ -187,6 +217,9 @@ class BatchDispatcher:
                 stream.batch_size = len(batch)
             if self._observer is not None:
                 self._observer(len(batch), batch[0][0].window_wait_ms)
+            if self.session:
+                self._send_session(batch)
+                continue
             if len(batch) == 1:
                 stream, request, deadline = batch[0]
                 task = asyncio.ensure_future(self._run_single(stream, request, deadline))
@@ -250,12 +283,63 @@ class BatchDispatcher:
             for stream in streams.values():
                 stream.push(WorkerCallError("transport", "INTERNAL", type(exc).__name__))
 
+    # ---- session transport ----------------------------------------------------------
+
+    def _send_session(self, batch: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]]) -> None:
+        """One message with every submission of the window; frames come back per step."""
+        if self._link is None:
+            self._link = self.client.open_session()
+            self._reader = asyncio.ensure_future(self._read_session(self._link))
+        submits = []
+        for stream, request, deadline in batch:
+            stream.handle = next(self._handles)
+            self._by_handle[stream.handle] = stream
+            timeout = self._timeout(deadline)
+            if timeout is not None:
+                timeout = max(timeout, 0.001)  # 0 would mean "no deadline" on the wire
+            submits.append(SessionSubmit(stream.handle, request, timeout, stream.traceparent))
+        self._link.send(submits, [])
+
+    async def _read_session(self, link: WorkerSessionLink) -> None:
+        error = WorkerCallError("transport", "UNAVAILABLE", "worker session ended")
+        try:
+            async for handle, event in link.events():
+                stream = self._by_handle.get(handle)
+                if stream is None:
+                    continue  # cancelled or aborted by us: late output is dropped
+                stream.push(event)
+                if not isinstance(event, common_pb2.TokenDelta):
+                    del self._by_handle[handle]
+        except WorkerCallError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = WorkerCallError("transport", "UNAVAILABLE", "worker session closed")
+            raise
+        finally:
+            # The session broke (worker died, link cut): every request on it moves elsewhere.
+            if self._link is link:
+                self._link = None
+                self._reader = None
+                streams, self._by_handle = list(self._by_handle.values()), {}
+                for stream in streams:
+                    stream.push(error)
+            await link.close()
+
+    def _drop_link(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+
     async def cancel(self, stream: AttemptStream, finished: bool) -> None:
         for i, (pending, _, _) in enumerate(self._pending):
             if pending is stream:
                 del self._pending[i]
                 return
         if finished:
+            return
+        if stream.handle is not None:
+            # Only this request of the session stops (its ABORT final is dropped here).
+            if self._by_handle.pop(stream.handle, None) is not None and self._link is not None:
+                self._link.send([], [stream.handle])
             return
         if stream.single_task is not None:
             stream.single_task.cancel()
@@ -271,6 +355,10 @@ class BatchDispatcher:
                 log.warning("abort of %s on %s failed: %s", stream.request_id, self.client.address, exc)
 
     async def close(self) -> None:
+        reader = self._reader
+        self._drop_link()
+        if reader is not None:
+            await asyncio.wait({reader})
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -215,6 +215,7 @@ class Router:
             AdaptiveWindow(self.settings.batch_max_wait_ms, self.settings.batch_max_size),
             state.pressure,
             self._observe_batch,
+            session=self.settings.worker_transport == "session",
         )
         monitor = WorkerMonitor(
             state, client, check_info=self._check_info, on_change=self._on_worker_change,

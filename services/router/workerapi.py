@@ -7,6 +7,7 @@ tests may substitute an in-process double.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from llmesh.common.v1 import common_pb2
@@ -49,6 +50,31 @@ WorkerEvent = StreamEvent | WorkerCallError
 """What a worker call yields per request; a WorkerCallError ends that request alone."""
 
 
+@dataclass(frozen=True)
+class SessionSubmit:
+    """One request sent over a worker session."""
+
+    handle: int
+    request: common_pb2.TokenRequest
+    timeout_s: float | None
+    traceparent: str = ""
+
+
+class WorkerSessionLink(Protocol):
+    """One long-lived session with a worker: many requests, one frame per engine step."""
+
+    def send(self, submits: Sequence[SessionSubmit], aborts: Sequence[int]) -> None:
+        """Queue one message carrying these submissions and aborts (never blocks)."""
+        ...
+
+    def events(self) -> AsyncIterator[tuple[int, WorkerEvent]]:
+        """(handle, delta / final / per-request error) as frames arrive; raises
+        WorkerCallError when the session itself breaks."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class WorkerClient(Protocol):
     """One connection to a worker's WorkerService."""
 
@@ -64,6 +90,10 @@ class WorkerClient(Protocol):
         self, requests: Sequence[common_pb2.TokenRequest], timeout: float | None
     ) -> AsyncIterator[tuple[str, WorkerEvent]]:
         """Stream (request_id, delta-or-final) of several requests in one call."""
+        ...
+
+    def open_session(self) -> WorkerSessionLink:
+        """Start a session (the router's ``worker_transport: session``)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

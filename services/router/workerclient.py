@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -13,7 +14,7 @@ from services.common.channels import create_channel
 from services.common.errors import LlmeshError, error_from_rpc, request_error_from_proto
 from services.common.settings import TlsSettings
 from services.router.registry import Load, WorkerInfo
-from services.router.workerapi import WorkerCallError, WorkerEvent
+from services.router.workerapi import SessionSubmit, WorkerCallError, WorkerEvent
 
 _TRANSPORT = {
     grpc.StatusCode.UNAVAILABLE,
@@ -79,6 +80,48 @@ def info_from_proto(info: worker_pb2.GetModelInfoResponse) -> WorkerInfo:
     )
 
 
+class GrpcSessionLink:
+    """A worker Session call: submissions and aborts go out through a queue (one writer),
+    frames come back in column layout and are split into per-request events."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+        self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
+        self._call = stub.Session(self._requests())
+
+    async def _requests(self) -> AsyncIterator[worker_pb2.SessionRequest]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    def send(self, submits: Sequence[SessionSubmit], aborts: Sequence[int]) -> None:
+        self._outbox.put_nowait(worker_pb2.SessionRequest(
+            submit=[worker_pb2.SessionSubmit(handle=s.handle, request=s.request, timeout_s=s.timeout_s or 0.0,
+                                             traceparent=s.traceparent) for s in submits],
+            abort=list(aborts),
+        ))
+
+    async def events(self) -> AsyncIterator[tuple[int, WorkerEvent]]:
+        try:
+            async for frame in self._call:
+                logprobs = {entry.handle: entry.logprobs for entry in frame.logprobs}
+                offset = 0
+                for handle, count in zip(frame.handles, frame.token_counts, strict=True):
+                    delta = common_pb2.TokenDelta(token_ids=frame.token_ids[offset:offset + count])
+                    offset += count
+                    if handle in logprobs:
+                        delta.logprobs.extend(logprobs[handle])
+                    yield handle, delta
+                for final in frame.finals:
+                    yield final.handle, final.final
+                for error in frame.errors:
+                    yield error.handle, request_error(error.error)
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+
+
 class GrpcWorkerClient:
     """One keepalive channel to a worker (a stopped or partitioned peer shows within ~1 s)."""
 
@@ -91,6 +134,11 @@ class GrpcWorkerClient:
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.control_stub = worker_pb2_grpc.WorkerServiceStub(self.control)
         self.health = health_pb2_grpc.HealthStub(self.control)
+        # Sessions get a connection of their own: a busy frame stream must not delay the
+        # load polls that decide reachability. Untraced: each request carries its own
+        # trace context inside the session.
+        self.session_channel: grpc.aio.Channel | None = None
+        self._tls = tls
 
     async def generate(
         self, request: common_pb2.TokenRequest, timeout: float | None
@@ -129,6 +177,11 @@ class GrpcWorkerClient:
         finally:
             call.cancel()
 
+    def open_session(self) -> GrpcSessionLink:
+        if self.session_channel is None:
+            self.session_channel = create_channel(self.address, tls=self._tls, interceptors=[])
+        return GrpcSessionLink(worker_pb2_grpc.WorkerServiceStub(self.session_channel))
+
     async def abort(self, request_id: str) -> None:
         try:
             await self.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=2.0)
@@ -162,3 +215,5 @@ class GrpcWorkerClient:
     async def close(self) -> None:
         await self.channel.close()
         await self.control.close()
+        if self.session_channel is not None:
+            await self.session_channel.close()

@@ -48,9 +48,12 @@ async def _stream_and_fault(rut: RouterUnderTest, prompt: list[int], n: int, aft
     return tokens, final
 
 
-async def test_kill_9_mid_stream_resumes_with_identical_output(two_zone_workers: list[TierProcess]) -> None:
+@pytest.mark.parametrize("transport", ["calls", "session"])
+async def test_kill_9_mid_stream_resumes_with_identical_output(
+    two_zone_workers: list[TierProcess], transport: str
+) -> None:
     a, b = two_zone_workers
-    rut = await start_router([(a.address, "zone-a"), (b.address, "zone-b")])
+    rut = await start_router([(a.address, "zone-a"), (b.address, "zone-b")], worker_transport=transport)
     try:
         prompt = [11, 22, 33, 44]
         undisturbed, final = await rut.generate(prompt, 40)
