@@ -112,7 +112,7 @@ class WorkerSettings(ServerSettings):
     """CPU only: cores the engine's OpenMP threads bind to, e.g. 0-3 or 0|1 (VLLM_CPU_OMP_THREADS_BIND)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Any other vLLM engine argument by its EngineArgs name, e.g. {"kv_cache_dtype": "fp8",
-    "max_num_partial_prefills": 2}; checked against vLLM's EngineArgs at start-up (an unknown
+    "max_logprobs": 50}; checked against vLLM's EngineArgs at start-up (an unknown
     name is refused, naming it). Names that are settings of their own here (model,
     tensor_parallel_size, max_num_seqs, ...) are refused too: set those fields instead."""
     frontend_cpus: str = ""

@@ -106,10 +106,10 @@ def test_mesh_config_engine_args_reach_the_worker_flags(tmp_path: Path) -> None:
     path = tmp_path / "mesh.yaml"
     path.write_text(yaml.safe_dump({"workers": [{
         "zone": "zone-a", "settings": {"tensor_parallel_size": 2},
-        "engine_args": {"kv_cache_dtype": "auto", "max_num_partial_prefills": 1},
+        "engine_args": {"kv_cache_dtype": "auto", "max_logprobs": 20},
     }]}))
     worker = load_mesh_config(path).workers[0]
-    assert worker.engine_args == {"kv_cache_dtype": "auto", "max_num_partial_prefills": 1}
+    assert worker.engine_args == {"kv_cache_dtype": "auto", "max_logprobs": 20}
     # up.py passes them as --engine-args JSON; the worker's CLI reads back the same mapping.
     flags = _flags({**worker.settings, "engine_args": worker.engine_args})
     parsed = settings_from_args(WorkerSettings, cli.build_parser().parse_args(flags))
