@@ -14,6 +14,7 @@ from gateway.types import (
     RouterFinal,
     Sampling,
     ServedBy,
+    StreamOptions,
     TextDelta,
     TokenGeneration,
     TokenLogprob,
@@ -39,7 +40,7 @@ def sampling_from_proto(msg: inference_pb2.SamplingParams) -> Sampling:
 
 
 def call_from_proto(msg: inference_pb2.GenerateRequest | inference_pb2.GenerateStreamRequest) -> GenerateCall:
-    return GenerateCall(
+    call = GenerateCall(
         model=msg.model,
         prompt=msg.prompt,
         messages=[ChatTurn(role=m.role, content=m.content) for m in msg.messages],
@@ -47,6 +48,11 @@ def call_from_proto(msg: inference_pb2.GenerateRequest | inference_pb2.GenerateS
         priority=msg.priority,
         request_id=msg.request_id,
     )
+    if isinstance(msg, inference_pb2.GenerateStreamRequest) and msg.HasField("stream_options"):
+        call.stream_options = StreamOptions(
+            interval=msg.stream_options.interval, max_delay_ms=msg.stream_options.max_delay_ms,
+        )
+    return call
 
 
 def engine_sampling(s: Sampling) -> common_pb2.EngineSampling:

@@ -124,6 +124,35 @@ class GatewayConfig:
     """Applied when a request leaves temperature unset; None leaves it to the engine."""
     max_resumes: int = 3
     models_refresh_s: float = 30.0
+    stream_interval: int = 1
+    """Tokens per stream delta when a request does not choose (1 = every token)."""
+    stream_max_delay_ms: int = 100
+    """Longest time streamed text waits for the interval to fill."""
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """How one request's text deltas are grouped before they reach the transport.
+
+    Coalescing happens after the postprocessor, on text it already released: stop strings,
+    the filter's hold-back and UTF-8 boundaries are decided before any grouping, so the
+    concatenated text is the same whatever the pacing.
+    """
+
+    interval: int
+    """Tokens per delta; 0 holds all text for one delta before the final (unary calls)."""
+    max_delay_s: float | None = None
+    """Longest time released text is held waiting for the interval; None = no bound."""
+
+    @classmethod
+    def for_call(cls, call: GenerateCall, config: GatewayConfig) -> Pacing:
+        options = call.stream_options
+        delay_ms = options.max_delay_ms or config.stream_max_delay_ms
+        return cls(interval=options.interval or config.stream_interval, max_delay_s=delay_ms / 1000)
+
+
+WHOLE = Pacing(interval=0)
+"""One delta with all the text, then the final: what a unary call needs."""
 
 
 def sha256_text(text: str) -> str:
@@ -238,12 +267,12 @@ class GatewayCore:
     # -- generate -------------------------------------------------------------------
 
     async def generate(self, tenant: Tenant, call: GenerateCall, deadline: Deadline) -> Completion:
-        """The unary answer: the concatenation of the stream."""
+        """The unary answer: the concatenation of the stream, gathered in one delta."""
         final: Completion | None = None
         parts: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
-        async for item in self.generate_stream(tenant, call, deadline):
+        async for item in self.generate_stream(tenant, call, deadline, pacing=WHOLE):
             if isinstance(item, TextDelta):
                 parts.append(item.text)
                 ids.extend(item.token_ids)
@@ -257,9 +286,10 @@ class GatewayCore:
         return final
 
     async def generate_stream(
-        self, tenant: Tenant, call: GenerateCall, deadline: Deadline
+        self, tenant: Tenant, call: GenerateCall, deadline: Deadline, *, pacing: Pacing | None = None,
     ) -> AsyncIterator[TextDelta | Completion]:
-        """Text deltas as the postprocessor releases them, then one Completion."""
+        """Text deltas as the postprocessor releases them, grouped by ``pacing`` (default: the
+        call's stream options over the deployment's), then one Completion."""
         start = time.monotonic()
         limits = self.config.limits
         # Until validate_request passes, what the client sent is only logged clipped.
@@ -317,7 +347,8 @@ class GatewayCore:
                 model=meta.id, stop=list(call.sampling.stop), filter_mode=tenant.filter_mode,
             )
             stream = _Stream(self, generation, post_config, deadline,
-                             want_tokens=call.sampling.logprobs is not None)
+                             want_tokens=call.sampling.logprobs is not None,
+                             pacing=pacing or Pacing.for_call(call, self.config))
             async for item in stream.run():
                 if isinstance(item, TextDelta):
                     output_parts.append(item.text)
@@ -401,7 +432,7 @@ class _Stream:
 
     def __init__(
         self, core: GatewayCore, generation: TokenGeneration, post_config: PostConfig,
-        deadline: Deadline, *, want_tokens: bool,
+        deadline: Deadline, *, want_tokens: bool, pacing: Pacing = WHOLE,
     ) -> None:
         self.core = core
         self.generation = generation
@@ -424,6 +455,14 @@ class _Stream:
         self.first_text_at: float | None = None
         self.post_failovers = 0
         self._reader: asyncio.Future[None] | None = None
+        self.pacing = pacing
+        self.held = TextDelta(text="")
+        """Released text (with its token detail) not yet sent: the delta being coalesced."""
+        self.held_parts: list[str] = []
+        self.tokens_at_send = 0
+        self.hold_timer: asyncio.TimerHandle | None = None
+        self.sends = 0
+        """Deltas sent; a hold timer armed before the last send is stale."""
 
     @staticmethod
     def _other(current: int, replicas: int) -> int:
@@ -543,8 +582,14 @@ class _Stream:
             router_task = asyncio.create_task(self._run_router())
             while final is None:
                 kind, payload, gen = await self.events.get()
+                if kind == "hold_expired":
+                    if gen == self.sends and self.held_parts:
+                        yield self._release()
+                    continue
                 if kind == "error":
                     assert isinstance(payload, BaseException)
+                    if self.held_parts:
+                        yield self._release()  # what the client would have had at interval 1
                     raise payload
                 if gen != self.session_gen:
                     continue  # from a replaced postprocessor session
@@ -562,17 +607,32 @@ class _Stream:
                 if isinstance(payload, PostDelta):
                     if not payload.text:
                         continue
-                    if self.first_text_at is None:
+                    first = self.first_text_at is None
+                    if first:
                         self.first_text_at = time.monotonic()
+                    # Released by the postprocessor: a replacement replica skips these.
                     self.sent_chars += len(payload.text)
-                    delta = TextDelta(text=payload.text)
+                    self.held_parts.append(payload.text)
                     if self.want_tokens:
                         async with self.lock:
-                            delta.token_ids, self.pending_ids = self.pending_ids, []
-                            delta.logprobs, self.pending_logprobs = self.pending_logprobs, []
-                    yield delta
+                            self.held.token_ids += self.pending_ids
+                            self.held.logprobs += self.pending_logprobs
+                            self.pending_ids, self.pending_logprobs = [], []
+                    # The first text goes out at once (time to first token is not traded);
+                    # after it, a delta per ``interval`` tokens, or when the hold expires.
+                    if self.pacing.interval and (
+                        first or len(self.tokens) - self.tokens_at_send >= self.pacing.interval
+                    ):
+                        yield self._release()
+                    elif self.hold_timer is None and self.pacing.max_delay_s is not None:
+                        self.hold_timer = asyncio.get_running_loop().call_later(
+                            self.pacing.max_delay_s, self.events.put_nowait,
+                            ("hold_expired", None, self.sends),
+                        )
                 elif isinstance(payload, PostFinal):
                     final = payload
+            if self.held_parts:
+                yield self._release()
             if not self.router_ended and router_task is not None:
                 # Output ended early (stop string, blocked content): stop the engine, and
                 # give the router a moment to report where it ran.
@@ -582,6 +642,8 @@ class _Stream:
                     await asyncio.wait_for(asyncio.shield(router_task), 1.0)
             yield self._completion(final)
         finally:
+            if self.hold_timer is not None:
+                self.hold_timer.cancel()
             if router_task is not None and not router_task.done():
                 router_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -591,6 +653,19 @@ class _Stream:
             if self.session is not None:
                 with contextlib.suppress(Exception):
                     await self.session.close(graceful=final is not None)
+
+    def _release(self) -> TextDelta:
+        """The held text as one delta; the next text starts a new one (and a new timer)."""
+        delta = self.held
+        delta.text = "".join(self.held_parts)
+        self.held = TextDelta(text="")
+        self.held_parts = []
+        self.tokens_at_send = len(self.tokens)
+        self.sends += 1
+        if self.hold_timer is not None:
+            self.hold_timer.cancel()
+            self.hold_timer = None
+        return delta
 
     def _completion(self, final: PostFinal) -> Completion:
         router_final = self.router_final or RouterFinal(finish_reason="abort")

@@ -22,8 +22,9 @@ from opentelemetry import propagate, trace
 from gateway.core import Deadline, GatewayCore
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
-from gateway.types import ChatTurn, Completion, GenerateCall, ModelMeta, Sampling, TextDelta
+from gateway.types import ChatTurn, Completion, GenerateCall, ModelMeta, Sampling, StreamOptions, TextDelta
 from services.common.errors import InvalidArgument, LlmeshError, NotFound, map_exception
+from services.common.limits import clip
 from services.common.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,22 @@ def _content(raw: Any, index: int) -> str:
     raise InvalidArgument(f"messages[{index}].content", "must be a string or a list of text parts")
 
 
+def stream_options(options: dict[str, Any]) -> StreamOptions:
+    """llmesh's pacing keys in OpenAI's ``stream_options`` object, named as in the gRPC
+    ``StreamOptions`` (``interval``, ``max_delay_ms``) so an error names one field on both
+    surfaces; the core checks their ranges."""
+    names = {"interval": "stream_options.interval", "max_delay_ms": "stream_options.max_delay_ms"}
+    values = {}
+    for key, path in names.items():
+        value = options.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(path, f"must be an integer, got {clip(repr(value), 32)}")
+        values[key] = value
+    return StreamOptions(**values)
+
+
 def chat_call(body: dict[str, Any]) -> GenerateCall:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -212,6 +229,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, {})
         include_usage = _field(options, "include_usage", bool, False)
+        call.stream_options = stream_options(options)
     except LlmeshError as exc:
         return _json_error(exc, body)
     created = int(time.time())

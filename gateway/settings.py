@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from gateway.validation import MAX_STREAM_INTERVAL, MAX_STREAM_MAX_DELAY_MS
 from services.common.limits import RequestLimits, RequestLimitSettings
 from services.common.settings import ServerSettings
 
@@ -47,6 +49,15 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     value leaves it to the engine (vLLM: the model's generation_config, else 1.0)."""
     max_resumes: int = 3
     """How many times one stream may move to another router or postprocessor replica."""
+    stream_interval: int = Field(default=1, ge=1, le=MAX_STREAM_INTERVAL)
+    """Tokens per GenerateStream delta (and HTTP chunk) when a request does not choose
+    (stream_options.interval): 1 sends every token as it comes; N holds text until N tokens
+    arrived since the last delta, so the gateway and the client handle N times fewer
+    messages, at the price of burstier text. The first delta always goes out at once, and
+    the text, stop strings and filters are the same whatever the interval."""
+    stream_max_delay_ms: int = Field(default=100, ge=1, le=MAX_STREAM_MAX_DELAY_MS)
+    """Longest time text is held back waiting for the stream interval to fill, so a slow
+    engine still streams (a request may choose with stream_options.max_delay_ms)."""
     http_port: int = -1
     """OpenAI-compatible HTTP port (-1 disables it)."""
     http_host: str = "127.0.0.1"

@@ -31,6 +31,16 @@ class Sampling:
     logprobs: int | None = None
 
 
+@dataclass(frozen=True)
+class StreamOptions:
+    """How a stream's deltas are paced, as the caller asked; 0 takes the deployment's value."""
+
+    interval: int = 0
+    """Tokens per delta (1 = a delta per token)."""
+    max_delay_ms: int = 0
+    """Longest time text waits for the interval to fill."""
+
+
 @dataclass
 class GenerateCall:
     """One public generate request, after conversion from the wire."""
@@ -41,6 +51,7 @@ class GenerateCall:
     sampling: Sampling = field(default_factory=Sampling)
     priority: int = 0
     request_id: str = ""
+    stream_options: StreamOptions = field(default_factory=StreamOptions)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ from services.common.limits import RequestLimits, check_text, clip
 from services.common.sampling_rules import MAX_LOGPROBS, sampling_violations
 
 ROLES = ("system", "user", "assistant", "tool")
+MAX_STREAM_INTERVAL = 256
+"""Most tokens per stream delta a caller or deployment may ask for."""
+MAX_STREAM_MAX_DELAY_MS = 60_000
+"""Longest hold-back of streamed text a caller or deployment may ask for."""
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]*$")
 
 
@@ -75,6 +79,18 @@ def validate_request(call: GenerateCall, limits: RequestLimits) -> None:
         v.append(FieldViolation(
             "request_id", f"must be 1-{limits.max_request_id_chars} characters of letters, digits "
             "and . _ : - (starting alphanumeric)"
+        ))
+    o = call.stream_options
+    if not 0 <= o.interval <= MAX_STREAM_INTERVAL:
+        v.append(FieldViolation(
+            "stream_options.interval",
+            f"must be 1-{MAX_STREAM_INTERVAL} tokens per delta (0 for the deployment's default), "
+            f"got {o.interval}",
+        ))
+    if not 0 <= o.max_delay_ms <= MAX_STREAM_MAX_DELAY_MS:
+        v.append(FieldViolation(
+            "stream_options.max_delay_ms",
+            f"must be 1-{MAX_STREAM_MAX_DELAY_MS} ms (0 for the deployment's default), got {o.max_delay_ms}",
         ))
     if v:
         raise InvalidArgument.many(v)
