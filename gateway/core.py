@@ -459,7 +459,8 @@ class _Stream:
         self.held = TextDelta(text="")
         """Released text (with its token detail) not yet sent: the delta being coalesced."""
         self.held_parts: list[str] = []
-        self.tokens_at_send = 0
+        """The postprocessor's text pieces held: one per token while text flows (a character
+        whose bytes span tokens, or a match the filter holds back, makes one piece of several)."""
         self.hold_timer: asyncio.TimerHandle | None = None
         self.sends = 0
         """Deltas sent; a hold timer armed before the last send is stale."""
@@ -619,10 +620,9 @@ class _Stream:
                             self.held.logprobs += self.pending_logprobs
                             self.pending_ids, self.pending_logprobs = [], []
                     # The first text goes out at once (time to first token is not traded);
-                    # after it, a delta per ``interval`` tokens, or when the hold expires.
-                    if self.pacing.interval and (
-                        first or len(self.tokens) - self.tokens_at_send >= self.pacing.interval
-                    ):
+                    # after it, a delta per ``interval`` pieces, or when the hold expires.
+                    # Pieces, not tokens received: the router runs ahead of the postprocessor.
+                    if self.pacing.interval and (first or len(self.held_parts) >= self.pacing.interval):
                         yield self._release()
                     elif self.hold_timer is None and self.pacing.max_delay_s is not None:
                         self.hold_timer = asyncio.get_running_loop().call_later(
@@ -660,7 +660,6 @@ class _Stream:
         delta.text = "".join(self.held_parts)
         self.held = TextDelta(text="")
         self.held_parts = []
-        self.tokens_at_send = len(self.tokens)
         self.sends += 1
         if self.hold_timer is not None:
             self.hold_timer.cancel()
