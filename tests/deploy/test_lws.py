@@ -1,0 +1,232 @@
+"""The multi-node worker (deploy/k8s/multinode): LeaderWorkerSets rendered by the real
+kustomize, validated against the vendored LWS CRD schema, and what they promise: the leader
+runs `llmesh worker` as the engine's head, followers join it through LWS_LEADER_ADDRESS,
+whole accelerator nodes per pod, readiness gated on the whole group, one router-facing
+address per group."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+MULTINODE = REPO / "deploy" / "k8s" / "multinode"
+SCHEMA = REPO / "deploy" / "k8s" / "schemas" / "leaderworkerset.x-k8s.io" / "leaderworkerset_v1.json"
+
+# zone kustomization -> (zone, device, accelerator resource, accelerators per node)
+ZONES = {
+    "zone-a-cuda": ("zone-a", "cuda", "nvidia.com/gpu", 8),
+    "zone-b-npu": ("zone-b", "npu", "huawei.com/Ascend910", 8),
+}
+LEADER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (its built-in kustomize) is not installed")
+    out = {}
+    for name in [*ZONES, "group"]:
+        result = subprocess.run([kubectl, "kustomize", str(MULTINODE / name)], capture_output=True,
+                                text=True, timeout=60, check=True)
+        out[name] = [d for d in yaml.safe_load_all(result.stdout) if d]
+    return out
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind}"
+    return found[0]
+
+
+def templates(lws: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    t = lws["spec"]["leaderWorkerTemplate"]
+    return t["leaderTemplate"], t["workerTemplate"]
+
+
+def group_env(objects: list[dict[str, Any]], pod: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet gives it (envFrom ConfigMap, then env)."""
+    container = pod["spec"]["containers"][0]
+    (source,) = container["envFrom"]
+    cm = [o for o in objects if o["kind"] == "ConfigMap"
+          and o["metadata"]["name"] == source["configMapRef"]["name"]]
+    assert len(cm) == 1, "envFrom names the generated ConfigMap (hash suffix followed)"
+    env = dict(cm[0]["data"])
+    env.update({e["name"]: e.get("value", "<fieldRef>") for e in container.get("env", [])})
+    return env
+
+
+def test_schema_is_a_valid_json_schema() -> None:
+    schema = json.loads(SCHEMA.read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["x-kubernetes-group-version-kind"] == [
+        {"group": "leaderworkerset.x-k8s.io", "version": "v1", "kind": "LeaderWorkerSet"}]
+
+
+@pytest.mark.parametrize("name", [*ZONES, "group"])
+def test_leaderworkersets_validate_against_the_crd_schema(name: str, rendered: dict) -> None:
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text(encoding="utf-8")))
+    lws = [o for o in rendered[name] if o["kind"] == "LeaderWorkerSet"]
+    assert lws
+    for obj in lws:
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+        assert not errors, errors
+
+
+def test_schema_refuses_what_the_crd_refuses() -> None:
+    """Strict: unknown fields and values outside the CRD's enums are errors."""
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text(encoding="utf-8")))
+    pod = {"spec": {"containers": [{"name": "c", "image": "i"}]}}
+    good = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+            "metadata": {"name": "x"},
+            "spec": {"leaderWorkerTemplate": {"size": 2, "workerTemplate": pod}}}
+    assert validator.is_valid(good)
+    bad_policy = json.loads(json.dumps(good))
+    bad_policy["spec"]["startupPolicy"] = "WhenReady"
+    typo = json.loads(json.dumps(good))
+    typo["spec"]["leaderWorkerTemplate"]["restartPolicyy"] = "Default"
+    pod_typo = json.loads(json.dumps(good))
+    pod_typo["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imag"] = "i"
+    no_workers = {"apiVersion": good["apiVersion"], "kind": good["kind"],
+                  "spec": {"leaderWorkerTemplate": {"size": 2}}}
+    for bad in (bad_policy, typo, pod_typo, no_workers):
+        assert not validator.is_valid(bad)
+
+
+@pytest.mark.parametrize("name", ZONES)
+def test_leader_runs_the_llmesh_worker_as_engine_head(name: str, rendered: dict) -> None:
+    objects = rendered[name]
+    zone, device, _, _ = ZONES[name]
+    leader, _ = templates(one(objects, "LeaderWorkerSet"))
+    container = leader["spec"]["containers"][0]
+    assert container["command"][-2:] == ["llmesh", "worker"]
+    env = group_env(objects, leader)
+    assert env["LLMESH_WORKER_ZONE"] == zone and env["LLMESH_WORKER_DEVICE"] == device
+    # The head binds the data-parallel handshake on its own pod address; it is rank 0.
+    assert env["LLMESH_WORKER_DATA_PARALLEL_ADDRESS"] == "$(POD_IP)"
+    assert "LLMESH_WORKER_DATA_PARALLEL_START_RANK" not in env
+    port = int(env["LLMESH_WORKER_DATA_PARALLEL_RPC_PORT"])
+    assert port in {p["containerPort"] for p in container["ports"]}
+    assert leader["metadata"]["labels"]["llmesh.io/zone"] == zone
+    assert leader["metadata"]["labels"]["llmesh.io/device"] == device
+
+
+@pytest.mark.parametrize("name", ZONES)
+def test_group_size_matches_the_data_parallel_layout(name: str, rendered: dict) -> None:
+    objects = rendered[name]
+    _, _, resource, per_node = ZONES[name]
+    lws = one(objects, "LeaderWorkerSet")
+    leader, worker = templates(lws)
+    env = group_env(objects, leader)
+    size = lws["spec"]["leaderWorkerTemplate"]["size"]
+    dp = int(env["LLMESH_WORKER_DATA_PARALLEL_SIZE"])
+    local = int(env["LLMESH_WORKER_DATA_PARALLEL_SIZE_LOCAL"])
+    tp = int(env.get("LLMESH_WORKER_TENSOR_PARALLEL_SIZE", "1"))
+    pp = int(env.get("LLMESH_WORKER_PIPELINE_PARALLEL_SIZE", "1"))
+    assert size >= 2 and size * local == dp, "every node runs `local` ranks, the group all of them"
+    assert local * tp * pp == per_node, "each pod uses exactly its node's accelerators"
+    for pod in (leader, worker):
+        res = pod["spec"]["containers"][0]["resources"]
+        assert res["requests"][resource] == res["limits"][resource] == str(per_node)
+        other = {"nvidia.com/gpu", "huawei.com/Ascend910"} - {resource}
+        assert not other & (set(res["requests"]) | set(res["limits"]))
+        assert pod["spec"]["nodeSelector"]["llmesh.io/zone"] == ZONES[name][0]
+
+
+@pytest.mark.parametrize("name", ZONES)
+def test_followers_join_the_leader_through_lws_leader_address(name: str, rendered: dict,
+                                                              tmp_path: Path) -> None:
+    """Run the follower's script with a stand-in `vllm` that prints its arguments."""
+    objects = rendered[name]
+    leader, worker = templates(one(objects, "LeaderWorkerSet"))
+    container = worker["spec"]["containers"][0]
+    assert container["command"][-2:] == ["/bin/sh", "-c"]
+    (script,) = container["args"]
+    assert "$LWS_LEADER_ADDRESS" in script
+    fake = tmp_path / "bin" / "vllm"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n', encoding="utf-8")
+    fake.chmod(0o755)
+    env = group_env(objects, worker)
+    env = {k: v for k, v in env.items() if v != "<fieldRef>" and "$(" not in v}
+    env.update(PATH=f"{fake.parent}:/usr/bin:/bin", TMPDIR=str(tmp_path),
+               LWS_LEADER_ADDRESS="localhost", LWS_WORKER_INDEX="1",
+               LLMESH_WORKER_ENGINE_ARGS='{"kv_cache_dtype": "auto"}')
+    result = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True,
+                            timeout=30, check=True)
+    argv = result.stdout.splitlines()
+    opts = dict(zip(argv, [*argv[1:], ""], strict=True))
+    leader_env = group_env(objects, leader)
+    assert argv[:2] == ["serve", leader_env["LLMESH_WORKER_MODEL"]]
+    assert "--headless" in argv
+    assert opts["--data-parallel-address"] in {"127.0.0.1", "::1"}  # localhost, resolved
+    local = int(leader_env["LLMESH_WORKER_DATA_PARALLEL_SIZE_LOCAL"])
+    assert opts["--data-parallel-start-rank"] == str(1 * local)
+    # Leader and followers agree on every engine setting of the group ConfigMap.
+    for key, value in leader_env.items():
+        setting = key.removeprefix("LLMESH_WORKER_")
+        if setting in {"ZONE", "DEVICE", "MODEL", "SERVED_MODEL_NAME", "DATA_PARALLEL_ADDRESS",
+                       "SERVICE_NAME", "ENGINE_ARGS"} or setting == key:
+            continue
+        flag = "--" + setting.lower().replace("_", "-")
+        if value == "true":
+            assert flag in argv, flag
+        elif value == "false":
+            assert f"--no-{flag[2:]}" in argv, flag
+        else:
+            assert opts.get(flag) == value, (flag, opts.get(flag), value)
+    # engine_args reach vLLM through its own --config file; llmesh's resume processor too.
+    assert yaml.safe_load(Path(opts["--config"]).read_text(encoding="utf-8")) == {"kv_cache_dtype": "auto"}
+    assert opts["--logits-processors"] == "services.worker.forced:ForcedTokensLogitsProcessor"
+
+
+@pytest.mark.parametrize("name", ZONES)
+def test_readiness_is_gated_on_the_whole_group(name: str, rendered: dict) -> None:
+    lws = one(rendered[name], "LeaderWorkerSet")
+    spec = lws["spec"]
+    # The leader waits for its followers' engines: LeaderReady would hold them back forever.
+    assert spec["startupPolicy"] == "LeaderCreated"
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = templates(lws)
+    probe = leader["spec"]["containers"][0]["readinessProbe"]["grpc"]
+    # SERVING on the worker's own service only after AsyncLLM (every engine) and warm-up.
+    assert probe == {"port": 50081, "service": "llmesh.worker.v1.WorkerService"}
+    assert "readinessProbe" not in worker["spec"]["containers"][0], "followers serve nobody"
+
+
+@pytest.mark.parametrize("name", ZONES)
+def test_router_sees_one_worker_per_group(name: str, rendered: dict) -> None:
+    objects = rendered[name]
+    zone, device, _, _ = ZONES[name]
+    lws = one(objects, "LeaderWorkerSet")
+    leader, worker = templates(lws)
+    (svc,) = [o for o in objects if o["kind"] == "Service"]
+    # The single-node pool's name: the router's dns target llmesh-worker-<zone>:50081 holds.
+    assert svc["metadata"]["name"] == f"llmesh-worker-{zone}"
+    assert svc["metadata"]["name"] != lws["metadata"]["name"], "LWS makes its own Service by its name"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
+    selector = svc["spec"]["selector"]
+    assert selector.pop(LEADER_INDEX_LABEL) == "0", "leaders only (LWS labels the leader index 0)"
+    assert selector["llmesh.io/zone"] == zone and selector["llmesh.io/device"] == device
+    for key, value in selector.items():
+        assert leader["metadata"]["labels"][key] == value
+        assert worker["metadata"]["labels"][key] == value
+    assert [p["port"] for p in svc["spec"]["ports"]] == [50081]
+
+
+def test_pdb_lets_one_pod_hence_one_group_go(rendered: dict) -> None:
+    for name in ZONES:
+        objects = rendered[name]
+        pdb = one(objects, "PodDisruptionBudget")
+        leader, worker = templates(one(objects, "LeaderWorkerSet"))
+        assert pdb["spec"]["maxUnavailable"] == 1
+        for key, value in pdb["spec"]["selector"]["matchLabels"].items():
+            assert leader["metadata"]["labels"][key] == worker["metadata"]["labels"][key] == value
