@@ -230,3 +230,46 @@ def test_pdb_lets_one_pod_hence_one_group_go(rendered: dict) -> None:
         assert pdb["spec"]["maxUnavailable"] == 1
         for key, value in pdb["spec"]["selector"]["matchLabels"].items():
             assert leader["metadata"]["labels"][key] == worker["metadata"]["labels"][key] == value
+
+
+def test_group_pods_may_reach_each_other_within_their_zone(rendered: dict) -> None:
+    """The base denies workers everything but the router: the group's own ranks are let in."""
+    for name, (zone, _, _, _) in ZONES.items():
+        objects = rendered[name]
+        (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+        leader, worker = templates(one(objects, "LeaderWorkerSet"))
+        selectors = [policy["spec"]["podSelector"]["matchLabels"]]
+        selectors += [peer["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
+                      for peer in rule["from"]]
+        for labels in selectors:
+            assert labels["llmesh.io/zone"] == zone
+            for key, value in labels.items():
+                assert leader["metadata"]["labels"][key] == worker["metadata"]["labels"][key] == value
+
+
+@pytest.mark.parametrize("name", ZONES)
+def test_leader_settings_accept_the_group_environment(name: str, rendered: dict,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The llmesh worker reads the group ConfigMap as its own settings (env), checked as at start."""
+    import argparse
+
+    from services.common.settings import add_settings_arguments, settings_from_args
+    from services.worker.server import check_parallel_settings
+    from services.worker.settings import WorkerSettings
+
+    objects = rendered[name]
+    leader, _ = templates(one(objects, "LeaderWorkerSet"))
+    env = group_env(objects, leader)
+    env["LLMESH_WORKER_DATA_PARALLEL_ADDRESS"] = "10.0.0.1"  # $(POD_IP) at run time
+    for key, value in env.items():
+        if key.startswith("LLMESH_WORKER_"):
+            monkeypatch.setenv(key, value)
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, WorkerSettings)
+    settings = settings_from_args(WorkerSettings, parser.parse_args(leader["spec"]["containers"][0]["args"]))
+    check_parallel_settings(settings)
+    zone, device, _, _ = ZONES[name]
+    assert (settings.zone, settings.device, settings.host, settings.port) == (zone, device, "0.0.0.0", 50081)
+    assert settings.data_parallel_size == int(env["LLMESH_WORKER_DATA_PARALLEL_SIZE"])
+    assert settings.data_parallel_address == "10.0.0.1" and settings.data_parallel_start_rank is None
+    assert settings.enable_expert_parallel and not settings.enforce_eager
