@@ -8,6 +8,7 @@ import asyncio
 from gateway.settings import GatewaySettings
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
+from services.common.processes import run_processes
 from services.common.settings import add_settings_arguments, settings_from_args
 from services.common.tracing import setup_tracing, shutdown_tracing
 
@@ -23,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = settings_from_args(GatewaySettings, args)
     setup_logging("gateway", settings.log_level, settings.log_format)
+    # --processes N forks here, before any grpc object exists (services/common/processes.py);
+    # the gRPC and HTTP ports are shared by every process.
+    return run_processes(settings, tier="gateway", serve=_serve, ports=("port", "http_port"))
+
+
+def _serve(settings: GatewaySettings) -> int:
     setup_tracing(settings.service_name or "llmesh-gateway")
     start_metrics_server(settings.metrics_port, settings.host)
     try:

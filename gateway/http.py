@@ -432,7 +432,9 @@ async def start_http(core: GatewayCore, settings: GatewaySettings) -> web.AppRun
                            handler_cancellation=True)
     await runner.setup()
     context = server_ssl_context(settings)
-    site = web.TCPSite(runner, settings.http_host, settings.http_port, ssl_context=context)
+    # Several gateway processes (--processes) share the HTTP port as they share the gRPC one.
+    site = web.TCPSite(runner, settings.http_host, settings.http_port, ssl_context=context,
+                       reuse_port=True if settings.processes > 1 else None)
     await site.start()
     log.info("OpenAI-compatible HTTP%s on %s:%d", "S" if context else "", settings.http_host,
              settings.http_port)

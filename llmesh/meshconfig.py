@@ -4,10 +4,10 @@ A YAML file; every key is optional::
 
     model: smollm2-135m-instruct      # a name `llmesh model` knows, or a model directory
     served_model_name: ""             # id clients use (default: the directory name)
-    gateway: {host: 127.0.0.1, port: 50051, http_port: 8080, default_filter_mode: off,
+    gateway: {host: 127.0.0.1, port: 50051, http_port: 8080, default_filter_mode: off, processes: 1,
               audit_log: "", settings: {...}}          # settings: any GatewaySettings field
     tokenizer: {replicas: 1, settings: {...}}
-    postprocessor: {replicas: 1, settings: {...}}
+    postprocessor: {replicas: 1, processes: 1, settings: {...}}  # processes: per replica, one port
     router: {replicas: 1, zones: [zone-a, zone-b, kunpeng], degraded_zones: [kunpeng],
              settings: {...}}
     workers:                          # one process each
@@ -37,6 +37,9 @@ class _Strict(BaseModel):
 class TierConfig(_Strict):
     replicas: int = 1
     """How many processes of this tier to start."""
+    processes: int = Field(default=1, ge=1)
+    """Processes per replica sharing its port (SO_REUSEPORT, the tier's --processes):
+    tokenizer and postprocessor, and the gateway. Each uses one core."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """Extra settings passed as flags (any field of the tier's settings class)."""
 
@@ -49,10 +52,14 @@ class GatewayConfig(_Strict):
     side must set -1 or a free port, or they all compete for 8080."""
     default_filter_mode: str = "off"
     audit_log: str = ""
+    processes: int = Field(default=1, ge=1)
+    """Gateway processes sharing ``port`` and ``http_port`` (SO_REUSEPORT, --processes)."""
     settings: dict[str, Any] = Field(default_factory=dict)
 
 
 class RouterConfig(TierConfig):
+    processes: int = Field(default=1, ge=1, le=1)
+    """Always 1: a router's admission queue and breakers are one process's state."""
     zones: list[str] = Field(default_factory=list)
     """Zone ladder, best first; empty means the workers' zones in order of appearance."""
     degraded_zones: list[str] = Field(default_factory=list)

@@ -62,6 +62,32 @@ def router_view(address: str, credentials: grpc.ChannelCredentials | None,
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def tier_processes(host: str, metrics_port: int, count: int, timeout: float = 2.0) -> list[dict[str, object]]:
+    """Each process of a tier run with --processes: process ``i`` serves /metrics on
+    ``metrics_port + i`` and names its pid in ``llmesh_process_info``. A process that does
+    not answer is listed with pid None (a lost process is not restarted)."""
+    import re
+    import urllib.request
+
+    out: list[dict[str, object]] = []
+    for index in range(count):
+        port = metrics_port + index
+        entry: dict[str, object] = {"index": index, "metrics_port": port, "pid": None, "alive": False}
+        try:
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
+                text = reply.read().decode("utf-8", "replace")
+        except OSError as exc:
+            entry["metrics"] = f"UNREACHABLE: {exc}"
+        else:
+            found = re.search(r'^llmesh_process_info\{[^}]*pid="(\d+)"', text, re.MULTILINE)
+            if found:
+                entry["pid"] = int(found.group(1))
+                entry["alive"] = _alive(int(found.group(1)))
+            entry["metrics"] = "UP"
+        out.append(entry)
+    return out
+
+
 def collect(state_path: Path) -> dict[str, object]:
     state = json.loads(state_path.read_text())
     creds = _credentials(state)
@@ -70,6 +96,10 @@ def collect(state_path: Path) -> dict[str, object]:
         proc["health"] = (
             check_health(proc["address"], proc["service"], credentials=creds) if proc["alive"] else "DEAD"
         )
+        if int(proc.get("process_count", 1)) > 1 and proc["alive"]:
+            # pid above is the supervisor's; health above is whichever process answered.
+            host = str(proc["address"]).rsplit(":", 1)[0]
+            proc["processes"] = tier_processes(host, int(proc["metrics_port"]), int(proc["process_count"]))
         if proc["tier"] == "router" and proc["alive"]:
             # The router's own view of the workers: what routing decisions are made from.
             proc["workers"] = router_view(proc["address"], creds)
@@ -80,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llmesh status",
         description="Print the mesh started by `llmesh up` as JSON: every process with tier, zone, "
-        "address, pid, metrics port and health; each router adds its view of the workers "
+        "address, pid, metrics port and health (a tier run with several processes lists each one "
+        "with its pid and metrics port); each router adds its view of the workers "
         "(zone ladder, health, circuit state, load, pid). In a mutual-TLS mesh it connects with "
         "the operator certificate (operator.pem in the mesh's certs directory), which internal "
         "tiers allow read-only calls only.",

@@ -8,9 +8,11 @@ opens once everything behind it is SERVING). Stop order is the reverse.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -134,10 +136,14 @@ class Mesh:
         return env
 
     def _spawn(self, name: str, tier: str, args: list[str], *, port: int, zone: str = "",
-               env: dict[str, str] | None = None, server_tls: bool = True) -> TierProcess:
-        metrics_port = free_port(self.host)
+               env: dict[str, str] | None = None, server_tls: bool = True,
+               processes: int = 1) -> TierProcess:
+        # Several processes (a CPU tier's --processes) serve /metrics on consecutive ports.
+        metrics_port = free_port(self.host) if processes == 1 else free_port_block(self.host, processes)
         argv = ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port),
                 "--log-format", "json", *args]
+        if processes > 1:
+            argv += ["--processes", str(processes)]
         if server_tls:
             argv += self._server_tls_flags(tier)
         proc = spawn_tier(
@@ -146,7 +152,7 @@ class Mesh:
             metrics_port=metrics_port,
         )
         proc.extra["spawn"] = {"name": name, "tier": tier, "args": args, "zone": zone, "env": env,
-                               "server_tls": server_tls}
+                               "server_tls": server_tls, "processes": processes}
         self.procs.append(proc)
         return proc
 
@@ -186,13 +192,13 @@ class Mesh:
         tokenizers = [
             self._spawn(f"tokenizer-{i}", "tokenizer",
                         ["--models", model_flag, *_flags(cfg.tokenizer.settings)],
-                        port=free_port(self.host))
+                        port=free_port(self.host), processes=cfg.tokenizer.processes)
             for i in range(cfg.tokenizer.replicas)
         ]
         posts = [
             self._spawn(f"postprocessor-{i}", "postprocessor",
                         ["--models", model_flag, *_flags(cfg.postprocessor.settings)],
-                        port=free_port(self.host))
+                        port=free_port(self.host), processes=cfg.postprocessor.processes)
             for i in range(cfg.postprocessor.replicas)
         ]
         workers = []
@@ -249,7 +255,8 @@ class Mesh:
             tenants_file = self.log_dir / "tenants.json"
             tenants_file.write_text(json.dumps([t.model_dump() for t in cfg.tenants]))
             gw_args += ["--tenants-file", str(tenants_file)]
-        gateway = self._spawn("gateway", "gateway", gw_args, port=cfg.gateway.port)
+        gateway = self._spawn("gateway", "gateway", gw_args, port=cfg.gateway.port,
+                              processes=cfg.gateway.processes)
         gateway.address = f"{cfg.gateway.host}:{cfg.gateway.port}"
         self._wait([gateway], timeout=120)
 
@@ -270,6 +277,8 @@ class Mesh:
             "processes": [
                 {"name": p.name, "tier": p.tier, "zone": p.zone, "address": p.address, "pid": p.pid,
                  "metrics_port": p.metrics_port, "service": p.service,
+                 # pid is the supervisor's when process_count > 1 (`llmesh status` lists each)
+                 "process_count": _process_count(p),
                  "log": str(p.log_path) if p.log_path else ""}
                 for p in self.procs
             ],
@@ -285,6 +294,29 @@ class Mesh:
                 proc.terminate()
             for proc in members:
                 proc.stop(timeout=20)
+
+
+def _process_count(proc: TierProcess) -> int:
+    spec = proc.extra.get("spawn")
+    return int(spec.get("processes", 1)) if isinstance(spec, dict) else 1
+
+
+def free_port_block(host: str, count: int, attempts: int = 50) -> int:
+    """The first of ``count`` consecutive ports that were all free a moment ago (the
+    metrics ports of a tier's processes: base + index)."""
+    for _ in range(attempts):
+        base = free_port(host)
+        if base + count > 65535:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((host, port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 def grpcurl_hint(config: MeshConfig, tls_dir: Path) -> str:

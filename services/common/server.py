@@ -25,6 +25,7 @@ from services.common.channels import (
     server_message_options,
 )
 from services.common.interceptors import ErrorMappingInterceptor
+from services.common.processes import CPU_TIERS
 from services.common.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -111,10 +112,14 @@ async def create_server(
         tier, mutual_tls=settings.mutual_tls, enabled=settings.authorize_callers,
         caller_identities=settings.caller_identities,
     )
+    if settings.processes > 1 and tier not in CPU_TIERS:
+        raise ValueError(f"{tier}: --processes must be 1 (only {', '.join(CPU_TIERS)} run several)")
     server = grpc.aio.server(
         interceptors=interceptors,
+        # SO_REUSEPORT only when this is one of several processes sharing the port
+        # (services/common/processes.py); otherwise a port already taken fails the bind.
         options=[*SERVER_KEEPALIVE_OPTIONS, *server_message_options(max_receive_message_bytes),
-                 ("grpc.so_reuseport", 0)],
+                 ("grpc.so_reuseport", 1 if settings.processes > 1 else 0)],
     )
     register(server)
     health_servicer = health.aio.HealthServicer()

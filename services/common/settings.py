@@ -68,6 +68,10 @@ class ServerSettings(BaseSettings):
     """On SIGTERM, how long in-flight calls may take to finish before they are cancelled."""
     drain_seconds: float = 1.0
     """On SIGTERM, how long to keep serving while reporting NOT_SERVING, so callers move away."""
+    processes: int = Field(default=1, ge=1)
+    """Processes serving this tier's port together (SO_REUSEPORT), forked by a supervisor
+    that forwards SIGTERM and restarts nothing; each serves /metrics on --metrics-port +
+    its index. Gateway, tokenizer and postprocessor only (services/common/processes.py)."""
     log_level: str = "INFO"
     """Log level (DEBUG, INFO, WARNING, ERROR). Prompt and output text never log at INFO."""
     log_format: str = "json"

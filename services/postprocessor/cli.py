@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
+from services.common.processes import run_processes
 from services.common.settings import add_settings_arguments, settings_from_args
 from services.common.tracing import setup_tracing
 from services.postprocessor.settings import PostprocessorSettings
@@ -32,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmesh postprocessor: error: {exc}", file=sys.stderr)
         return 2
     setup_logging("postprocessor", settings.log_level, settings.log_format)
+    # --processes N forks here, before any grpc object exists (services/common/processes.py);
+    # each process loads its own tokenizer after the fork.
+    return run_processes(settings, tier="postprocessor", serve=_serve)
+
+
+def _serve(settings: PostprocessorSettings) -> int:
     setup_tracing(settings.service_name or "llmesh-postprocessor")
     start_metrics_server(settings.metrics_port, settings.host)
     from services.postprocessor.server import serve

@@ -8,6 +8,7 @@ import sys
 
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
+from services.common.processes import run_processes
 from services.common.settings import add_settings_arguments, settings_from_args
 from services.common.tracing import setup_tracing
 from services.tokenizer.loader import ModelLoadError
@@ -29,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmesh tokenizer: error: {exc}", file=sys.stderr)
         return 2
     setup_logging("tokenizer", settings.log_level, settings.log_format)
+    # --processes N forks here, before any grpc object exists (services/common/processes.py);
+    # each process loads its own tokenizer after the fork.
+    return run_processes(settings, tier="tokenizer", serve=_serve)
+
+
+def _serve(settings: TokenizerSettings) -> int:
     setup_tracing(settings.service_name or "llmesh-tokenizer")
     start_metrics_server(settings.metrics_port, settings.host)
     from services.tokenizer.server import serve
