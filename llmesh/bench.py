@@ -87,6 +87,8 @@ class BenchOptions:
     capacity_tokens: int = 256
     capacity_step_ms: float = 2.0
     capacity_requests_per_stream: int = 1
+    stream_interval: int = 1
+    stream_max_delay_ms: int = 0
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -298,15 +300,21 @@ def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any
 # --------------------------------------------------------------------------- overhead
 
 
-def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wait_ms: float | None) -> Any:
+def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wait_ms: float | None,
+                      stream_interval: int = 1, stream_max_delay_ms: int = 0) -> Any:
     from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
     from llmesh.procs import free_port
 
     router_settings = {} if batch_max_wait_ms is None else {"batch_max_wait_ms": batch_max_wait_ms}
+    gateway_settings: dict[str, Any] = {"drain_seconds": 0}
+    if stream_interval != 1:
+        gateway_settings["stream_interval"] = stream_interval
+    if stream_max_delay_ms:
+        gateway_settings["stream_max_delay_ms"] = stream_max_delay_ms
     return MeshConfig(
         model=str(opts.model_dir),
         served_model_name=opts.model_name,
-        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings=gateway_settings),
         router=RouterConfig(settings=router_settings),
         workers=[WorkerConfig(zone="zone-a", engine="fake",
                               settings={"fake_token_delay_ms": token_delay_ms, "fake_max_running": 256,
@@ -481,13 +489,18 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
     ``capacity_step_ms``, as an accelerator does per engine step. Reports tokens/s to the
     client and CPU microseconds per output token of every tier (from /proc, user+system,
     each tier's whole process tree); the load generator's own CPU is not counted.
+    ``stream_interval`` is the gateway's deployment default (tokens per delta): the report
+    says how many tokens a delta carried and the gaps between deltas (ITL at interval 1).
     """
-    config = _fake_mesh_config(opts, token_delay_ms=opts.capacity_step_ms, batch_max_wait_ms=None)
+    config = _fake_mesh_config(opts, token_delay_ms=opts.capacity_step_ms, batch_max_wait_ms=None,
+                               stream_interval=opts.stream_interval,
+                               stream_max_delay_ms=opts.stream_max_delay_ms)
     spec = WorkloadSpec(prompt_words=(16, 48), output_tokens=(opts.capacity_tokens, opts.capacity_tokens))
     total = opts.capacity_streams * opts.capacity_requests_per_stream
     requests = make_workload(total, seed=opts.seed + 777, spec=spec)
     print(f"llmesh bench: capacity, fake engine {opts.capacity_step_ms:g} ms per step, "
-          f"{opts.capacity_streams} streams x {opts.capacity_tokens} tokens", file=sys.stderr)
+          f"{opts.capacity_streams} streams x {opts.capacity_tokens} tokens, stream interval "
+          f"{opts.stream_interval}", file=sys.stderr)
     with _started_mesh(config, opts.log_dir / "capacity") as mesh:
         cpu = CpuMeter(_mesh_cpu_groups(mesh.state()["processes"]))
         driver = LlmeshGrpcDriver(f"{config.gateway.host}:{config.gateway.port}", opts.model_name)
@@ -506,10 +519,17 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
     us_per_token = {tier: _round_us(cpu_s / tokens) if tokens else None
                     for tier, cpu_s in level.cpu_s.items()}
     us_per_token["total"] = _round_us(sum(level.cpu_s.values()) / tokens) if tokens else None
+    ok = [r for r in level.results if r.ok]
+    deltas = sum(len(r.chunk_gaps_s) + 1 for r in ok)
     return {
         "engine": f"fake, step-based, {opts.capacity_step_ms:g} ms per step",
         "streams": opts.capacity_streams,
         "tokens_per_request": opts.capacity_tokens,
+        "stream_interval": opts.stream_interval,
+        "stream_max_delay_ms": opts.stream_max_delay_ms or "gateway default",
+        "deltas_per_request": round(deltas / len(ok), 1) if ok else None,
+        "tokens_per_delta": round(tokens / deltas, 2) if deltas else None,
+        "delta_gap_ms": summary["itl_ms"],
         "requests": total,
         "errors": summary["errors"],
         "error_samples": summary["error_samples"],
@@ -609,6 +629,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fake engine step time: every running request gets one token per step")
     c.add_argument("--capacity-requests-per-stream", type=int, default=1,
                    help="requests each stream sends one after the other")
+    c.add_argument("--stream-interval", type=int, default=1,
+                   help="the gateway's stream_interval in the capacity mesh: tokens per GenerateStream delta "
+                   "(1 = a delta per token)")
+    c.add_argument("--stream-max-delay-ms", type=int, default=0,
+                   help="the gateway's stream_max_delay_ms in the capacity mesh (0 = the gateway's default)")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")
@@ -648,6 +673,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         capacity_tokens=args.capacity_tokens,
         capacity_step_ms=args.capacity_step_ms,
         capacity_requests_per_stream=args.capacity_requests_per_stream,
+        stream_interval=args.stream_interval,
+        stream_max_delay_ms=args.stream_max_delay_ms,
     )
 
 

@@ -460,6 +460,15 @@ def _generate_fields(
     }
 
 
+def _stream_options(interval: int, max_delay_ms: int) -> inference_pb2.StreamOptions | None:
+    if not interval and not max_delay_ms:
+        return None
+    try:
+        return inference_pb2.StreamOptions(interval=interval, max_delay_ms=max_delay_ms)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"stream options: invalid value ({exc})") from None
+
+
 def _logprobs(items: Sequence[inference_pb2.TokenLogprob]) -> list[TokenLogprob]:
     return [
         TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
@@ -888,10 +897,19 @@ class Client(_ClientBase):
         model: str = "",
         timeout: Timeout = _DEFAULT,
         metadata: Sequence[tuple[str, str]] | None = None,
+        stream_interval: int = 0,
+        stream_max_delay_ms: int = 0,
         **options: Unpack[GenerateOptions],
     ) -> CompletionStream:
-        """Start a streamed generation; iterate the result for text deltas."""
-        req = inference_pb2.GenerateStreamRequest(**_generate_fields(prompt, messages, model, options))
+        """Start a streamed generation; iterate the result for text deltas.
+
+        ``stream_interval`` asks for a delta per that many tokens (fewer messages, burstier
+        text; the first delta still comes at once) and ``stream_max_delay_ms`` bounds how
+        long text waits for it; 0 leaves both to the gateway's deployment defaults.
+        """
+        req = inference_pb2.GenerateStreamRequest(**_generate_fields(prompt, messages, model, options),
+                                                  stream_options=_stream_options(stream_interval,
+                                                                                 stream_max_delay_ms))
         call = self._stub.GenerateStream(req, **self._conn.call_kwargs(timeout, metadata))
         return CompletionStream(call)
 
@@ -982,10 +1000,19 @@ class AsyncClient(_ClientBase):
         model: str = "",
         timeout: Timeout = _DEFAULT,
         metadata: Sequence[tuple[str, str]] | None = None,
+        stream_interval: int = 0,
+        stream_max_delay_ms: int = 0,
         **options: Unpack[GenerateOptions],
     ) -> AsyncCompletionStream:
-        """Start a streamed generation (no await needed); ``async for`` over the result."""
-        req = inference_pb2.GenerateStreamRequest(**_generate_fields(prompt, messages, model, options))
+        """Start a streamed generation (no await needed); ``async for`` over the result.
+
+        ``stream_interval`` asks for a delta per that many tokens (fewer messages, burstier
+        text; the first delta still comes at once) and ``stream_max_delay_ms`` bounds how
+        long text waits for it; 0 leaves both to the gateway's deployment defaults.
+        """
+        req = inference_pb2.GenerateStreamRequest(**_generate_fields(prompt, messages, model, options),
+                                                  stream_options=_stream_options(stream_interval,
+                                                                                 stream_max_delay_ms))
         call = self._stub.GenerateStream(req, **self._conn.call_kwargs(timeout, metadata))
         return AsyncCompletionStream(call)
 

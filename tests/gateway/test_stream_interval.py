@@ -228,3 +228,19 @@ def test_settings_bound_the_deployment_default() -> None:
     for bad in ({"stream_interval": 0}, {"stream_interval": 257}, {"stream_max_delay_ms": 0}):
         with pytest.raises(ValidationError, match=next(iter(bad))):
             GatewaySettings(**bad)
+
+
+async def test_the_python_client_asks_for_an_interval(slow_mesh: Mesh) -> None:
+    from llmesh.client import AsyncClient
+
+    client = AsyncClient(gateway_address(slow_mesh), timeout=60, max_attempts=1)
+    try:
+        counts = {}
+        for interval in (1, 16):
+            stream = client.stream("client interval", max_tokens=20, ignore_eos=True,
+                                   stream_interval=interval)
+            counts[interval] = len([delta async for delta in stream])
+            assert stream.final.usage.completion_tokens == 20
+    finally:
+        await client.close()
+    assert counts[16] <= 3 < counts[1]
