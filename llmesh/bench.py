@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -89,6 +90,7 @@ class BenchOptions:
     capacity_requests_per_stream: int = 1
     stream_interval: int = 1
     stream_max_delay_ms: int = 0
+    gateway_processes: int = 1
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -301,7 +303,8 @@ def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any
 
 
 def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wait_ms: float | None,
-                      stream_interval: int = 1, stream_max_delay_ms: int = 0) -> Any:
+                      stream_interval: int = 1, stream_max_delay_ms: int = 0,
+                      gateway_processes: int = 1) -> Any:
     from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
     from llmesh.procs import free_port
 
@@ -314,7 +317,8 @@ def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wa
     return MeshConfig(
         model=str(opts.model_dir),
         served_model_name=opts.model_name,
-        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings=gateway_settings),
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings=gateway_settings,
+                              processes=gateway_processes),
         router=RouterConfig(settings=router_settings),
         workers=[WorkerConfig(zone="zone-a", engine="fake",
                               settings={"fake_token_delay_ms": token_delay_ms, "fake_max_running": 256,
@@ -481,6 +485,39 @@ def run_batching(opts: BenchOptions) -> dict[str, Any]:
 # --------------------------------------------------------------------------- capacity
 
 
+class _OwnConnectionDriver(LlmeshGrpcDriver):
+    """A driver whose channel has a connection of its own (a local subchannel pool;
+    channels to one target otherwise share one)."""
+
+    async def __aenter__(self) -> _OwnConnectionDriver:
+        from llmesh.client import AsyncClient
+
+        self._client = AsyncClient(self.target, api_key=self.api_key, timeout=self.timeout_s, max_attempts=1,
+                                   options=[("grpc.use_local_subchannel_pool", 1)])
+        return self
+
+
+class _SpreadDriver:
+    """Requests round-robin over several connections: with SO_REUSEPORT the kernel gives
+    each connection to one of a tier's processes, so one connection would load one."""
+
+    def __init__(self, drivers: Sequence[LlmeshGrpcDriver]) -> None:
+        self.drivers = list(drivers)
+        self._next = itertools.count()
+
+    async def __aenter__(self) -> _SpreadDriver:
+        for driver in self.drivers:
+            await driver.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for driver in self.drivers:
+            await driver.__aexit__(*exc)
+
+    async def __call__(self, request: BenchRequest) -> RequestResult:
+        return await self.drivers[next(self._next) % len(self.drivers)](request)
+
+
 def run_capacity(opts: BenchOptions) -> dict[str, Any]:
     """The serving layer's own cost: the whole mesh over the step-based fake engine.
 
@@ -494,16 +531,22 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
     """
     config = _fake_mesh_config(opts, token_delay_ms=opts.capacity_step_ms, batch_max_wait_ms=None,
                                stream_interval=opts.stream_interval,
-                               stream_max_delay_ms=opts.stream_max_delay_ms)
+                               stream_max_delay_ms=opts.stream_max_delay_ms,
+                               gateway_processes=opts.gateway_processes)
     spec = WorkloadSpec(prompt_words=(16, 48), output_tokens=(opts.capacity_tokens, opts.capacity_tokens))
     total = opts.capacity_streams * opts.capacity_requests_per_stream
     requests = make_workload(total, seed=opts.seed + 777, spec=spec)
     print(f"llmesh bench: capacity, fake engine {opts.capacity_step_ms:g} ms per step, "
           f"{opts.capacity_streams} streams x {opts.capacity_tokens} tokens, stream interval "
-          f"{opts.stream_interval}", file=sys.stderr)
+          f"{opts.stream_interval}, {opts.gateway_processes} gateway process(es)", file=sys.stderr)
     with _started_mesh(config, opts.log_dir / "capacity") as mesh:
         cpu = CpuMeter(_mesh_cpu_groups(mesh.state()["processes"]))
-        driver = LlmeshGrpcDriver(f"{config.gateway.host}:{config.gateway.port}", opts.model_name)
+        # With several gateway processes the driver opens several connections (the kernel
+        # gives each to one process); one connection would load one process only.
+        target = f"{config.gateway.host}:{config.gateway.port}"
+        driver: Any = (LlmeshGrpcDriver(target, opts.model_name) if opts.gateway_processes == 1 else
+                       _SpreadDriver([_OwnConnectionDriver(target, opts.model_name)
+                                      for _ in range(16 * opts.gateway_processes)]))
 
         async def drive() -> LevelResult:
             async with driver:
@@ -526,6 +569,7 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
         "streams": opts.capacity_streams,
         "tokens_per_request": opts.capacity_tokens,
         "stream_interval": opts.stream_interval,
+        "gateway_processes": opts.gateway_processes,
         "stream_max_delay_ms": opts.stream_max_delay_ms or "gateway default",
         "deltas_per_request": round(deltas / len(ok), 1) if ok else None,
         "tokens_per_delta": round(tokens / deltas, 2) if deltas else None,
@@ -632,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream-interval", type=int, default=1,
                    help="the gateway's stream_interval in the capacity mesh: tokens per GenerateStream delta "
                    "(1 = a delta per token)")
+    c.add_argument("--gateway-processes", type=int, default=1,
+                   help="gateway processes in the capacity mesh (its --processes, sharing one port); the "
+                   "load is spread over several connections when > 1")
     c.add_argument("--stream-max-delay-ms", type=int, default=0,
                    help="the gateway's stream_max_delay_ms in the capacity mesh (0 = the gateway's default)")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
@@ -675,6 +722,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         capacity_requests_per_stream=args.capacity_requests_per_stream,
         stream_interval=args.stream_interval,
         stream_max_delay_ms=args.stream_max_delay_ms,
+        gateway_processes=args.gateway_processes,
     )
 
 
