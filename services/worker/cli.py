@@ -18,6 +18,14 @@ examples:
   llmesh worker --model ~/.cache/llmesh/models/smollm2-135m-instruct --zone kunpeng --device cpu \\
       --cpu-kvcache-space-gb 2 --port 50061
   llmesh worker --engine fake --model ~/.cache/llmesh/models/tiny-deepseek --port 50062
+  llmesh worker --model /models/tiny-deepseek --device cpu --tensor-parallel-size 2 \
+      --cpu-omp-threads-bind '0|1' --engine-args '{"kv_cache_dtype": "auto"}'
+  # multi-node data parallel, 2 nodes x 8: leader, then one follower per other node
+  llmesh worker --model /models/DeepSeek-V3 --data-parallel-size 16 --data-parallel-size-local 8 \
+      --data-parallel-address 10.0.0.1 --data-parallel-rpc-port 13345 --enable-expert-parallel
+  llmesh worker --headless --model /models/DeepSeek-V3 --data-parallel-size 16 \
+      --data-parallel-size-local 8 --data-parallel-start-rank 8 --data-parallel-address 10.0.0.1 \
+      --data-parallel-rpc-port 13345 --enable-expert-parallel
 
 Readiness health (service llmesh.worker.v1.WorkerService) turns SERVING after a warm-up
 generation; liveness is the empty service name. If the engine dies the worker reports
@@ -52,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     setup_logging("worker", settings.log_level, settings.log_format)
     setup_tracing(settings.service_name or "llmesh-worker")
+    if settings.headless:
+        from services.worker.server import serve_headless
+
+        return serve_headless(settings)
     start_metrics_server(settings.metrics_port, settings.host)
     from services.worker.server import serve
 

@@ -211,6 +211,11 @@ def check_settings(settings: WorkerSettings) -> None:
         if "=" not in spec:
             raise ValueError(f"--lora-modules: {spec!r} is not name=path")
     check_parallel_settings(settings)
+    if settings.headless:
+        if settings.engine != "vllm":
+            raise ValueError("--headless runs vLLM engine processes: it needs --engine vllm")
+        if not settings.data_parallel_address and "master_addr" not in settings.engine_args:
+            raise ValueError("--headless needs --data-parallel-address (the leader's address)")
     # Checked against vLLM's own EngineArgs wherever vLLM is installed (a fake-engine mesh
     # then refuses the same typos a real one would); importing it costs seconds, so only
     # when there is something to check.
@@ -416,6 +421,17 @@ async def start_worker(
     return ws
 
 
+def serve_headless(settings: WorkerSettings) -> int:
+    """A multi-node follower (``--headless``): this node's engine processes, no gRPC server.
+    Runs in the main thread (it owns SIGTERM); returns the exit code."""
+    from services.worker.vllm_engine import configure_device_environment, run_headless
+
+    device = resolve_device(settings.device, settings.engine)
+    configure_device_environment(device, cpu_kvcache_space_gb=settings.cpu_kvcache_space_gb,
+                                 cpu_omp_threads_bind=settings.cpu_omp_threads_bind)
+    return run_headless(engine_args(settings, device))
+
+
 async def serve(settings: WorkerSettings) -> int:
     """The process entry point: serve until a signal or engine death; the exit code."""
     ws = await create_worker_server(settings)
@@ -432,5 +448,6 @@ __all__ = [
     "resolve_device",
     "run_worker",
     "serve",
+    "serve_headless",
     "start_worker",
 ]

