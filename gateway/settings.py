@@ -51,9 +51,9 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     """How many times one stream may move to another router or postprocessor replica."""
     stream_interval: int = Field(default=1, ge=1, le=MAX_STREAM_INTERVAL)
     """Tokens per GenerateStream delta (and HTTP chunk) when a request does not choose
-    (stream_options.interval): 1 sends every token as it comes; N holds text until N tokens
-    arrived since the last delta, so the gateway and the client handle N times fewer
-    messages, at the price of burstier text. The first delta always goes out at once, and
+    (stream_options.interval): 1 sends every token's text as it comes; N sends a delta per
+    N tokens' text, so the gateway and the client handle N times fewer edge messages, at
+    the price of burstier text. The first delta always goes out at once, and
     the text, stop strings and filters are the same whatever the interval."""
     stream_max_delay_ms: int = Field(default=100, ge=1, le=MAX_STREAM_MAX_DELAY_MS)
     """Longest time text is held back waiting for the stream interval to fill, so a slow
