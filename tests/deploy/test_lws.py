@@ -143,49 +143,54 @@ def test_group_size_matches_the_data_parallel_layout(name: str, rendered: dict) 
 
 @pytest.mark.parametrize("name", ZONES)
 def test_followers_join_the_leader_through_lws_leader_address(name: str, rendered: dict,
-                                                              tmp_path: Path) -> None:
-    """Run the follower's script with a stand-in `vllm` that prints its arguments."""
+                                                              tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the follower's script with a stand-in `llmesh` that records its arguments and
+    environment, then load that environment with the worker's real settings loader: the
+    follower is `llmesh worker --headless` on the leader's settings plus its own rank."""
+    import argparse
+
+    from services.common.settings import add_settings_arguments, settings_from_args
+    from services.worker.server import check_parallel_settings
+    from services.worker.settings import WorkerSettings
+
     objects = rendered[name]
     leader, worker = templates(one(objects, "LeaderWorkerSet"))
     container = worker["spec"]["containers"][0]
     assert container["command"][-2:] == ["/bin/sh", "-c"]
     (script,) = container["args"]
     assert "$LWS_LEADER_ADDRESS" in script
-    fake = tmp_path / "bin" / "vllm"
+    fake = tmp_path / "bin" / "llmesh"
     fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n', encoding="utf-8")
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "ARG %s\\n" "$a"; done\nenv\n', encoding="utf-8")
     fake.chmod(0o755)
     env = group_env(objects, worker)
     env = {k: v for k, v in env.items() if v != "<fieldRef>" and "$(" not in v}
     env.update(PATH=f"{fake.parent}:/usr/bin:/bin", TMPDIR=str(tmp_path),
-               LWS_LEADER_ADDRESS="localhost", LWS_WORKER_INDEX="1",
-               LLMESH_WORKER_ENGINE_ARGS='{"kv_cache_dtype": "auto"}')
+               LWS_LEADER_ADDRESS="localhost", LWS_WORKER_INDEX="1")
     result = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True,
                             timeout=30, check=True)
-    argv = result.stdout.splitlines()
-    opts = dict(zip(argv, [*argv[1:], ""], strict=True))
+    lines = result.stdout.splitlines()
+    assert [line[4:] for line in lines if line.startswith("ARG ")] == ["worker", "--headless"]
+    seen = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("ARG "))
     leader_env = group_env(objects, leader)
-    assert argv[:2] == ["serve", leader_env["LLMESH_WORKER_MODEL"]]
-    assert "--headless" in argv
-    assert opts["--data-parallel-address"] in {"127.0.0.1", "::1"}  # localhost, resolved
     local = int(leader_env["LLMESH_WORKER_DATA_PARALLEL_SIZE_LOCAL"])
-    assert opts["--data-parallel-start-rank"] == str(1 * local)
-    # Leader and followers agree on every engine setting of the group ConfigMap.
+    assert seen["LLMESH_WORKER_DATA_PARALLEL_START_RANK"] == str(1 * local)
+    assert seen["LLMESH_WORKER_DATA_PARALLEL_ADDRESS"] in {"127.0.0.1", "::1"}  # localhost, resolved
+    # Leader and followers read the same engine settings from the group ConfigMap.
+    per_pod = {"LLMESH_WORKER_DATA_PARALLEL_ADDRESS", "LLMESH_WORKER_SERVICE_NAME"}
     for key, value in leader_env.items():
-        setting = key.removeprefix("LLMESH_WORKER_")
-        if setting in {"ZONE", "DEVICE", "MODEL", "SERVED_MODEL_NAME", "DATA_PARALLEL_ADDRESS",
-                       "SERVICE_NAME", "ENGINE_ARGS"} or setting == key:
-            continue
-        flag = "--" + setting.lower().replace("_", "-")
-        if value == "true":
-            assert flag in argv, flag
-        elif value == "false":
-            assert f"--no-{flag[2:]}" in argv, flag
-        else:
-            assert opts.get(flag) == value, (flag, opts.get(flag), value)
-    # engine_args reach vLLM through its own --config file; llmesh's resume processor too.
-    assert yaml.safe_load(Path(opts["--config"]).read_text(encoding="utf-8")) == {"kv_cache_dtype": "auto"}
-    assert opts["--logits-processors"] == "services.worker.forced:ForcedTokensLogitsProcessor"
+        if key.startswith("LLMESH_WORKER_") and key not in per_pod and "$(" not in value \
+                and value != "<fieldRef>":
+            assert seen.get(key) == value, key
+    for key, value in seen.items():
+        if key.startswith("LLMESH_WORKER_"):
+            monkeypatch.setenv(key, value)
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, WorkerSettings)
+    settings = settings_from_args(WorkerSettings, parser.parse_args(["--headless"]))
+    check_parallel_settings(settings)
+    assert settings.headless and settings.data_parallel_start_rank == local
 
 
 @pytest.mark.parametrize("name", ZONES)
