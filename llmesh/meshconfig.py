@@ -6,12 +6,12 @@ A YAML file; every key is optional::
     served_model_name: ""             # id clients use (default: the directory name)
     gateway: {host: 127.0.0.1, port: 50051, http_port: 8080, default_filter_mode: off, processes: 1,
               audit_log: "", settings: {...}}          # settings: any GatewaySettings field
-    tokenizer: {replicas: 1, settings: {...}}
+    tokenizer: {replicas: 1, settings: {...}, address: ""}  # address: for --mesh-config
     postprocessor: {replicas: 1, processes: 1, settings: {...}}  # processes: per replica, one port
     router: {replicas: 1, zones: [zone-a, zone-b, kunpeng], degraded_zones: [kunpeng],
              settings: {...}}
     workers:                          # one process each
-      - {zone: zone-a, device: cpu, engine: vllm, cpu_omp_threads_bind: "0",
+      - {zone: zone-a, device: cpu, engine: vllm, cpu_omp_threads_bind: "0", address: "",
          settings: {max_num_seqs: 32, ...},              # any WorkerSettings field
          engine_args: {kv_cache_dtype: fp8, ...}}        # any other vLLM EngineArgs field
     tls: {enabled: false, mutual: true, certs_dir: ""}  # certs from `llmesh certs`, one per tier
@@ -19,6 +19,12 @@ A YAML file; every key is optional::
       - {name: demo, key_sha256: <hex>, requests_per_minute: 30, tokens_per_minute: 0,
          filter_mode: redact}
     otel: {exporter: none, endpoint: ""}
+
+Each tier also reads its part of this file itself: ``llmesh <tier> --mesh-config FILE``
+(services/common/settings.py ``mesh_values``), as the Kubernetes Deployments do with the
+llmesh-config ConfigMap; a worker takes the ``workers:`` entry of its --zone/--device, and
+explicit flags override the file. ``tls``, ``tenants`` and ``otel`` are `llmesh up`'s only
+(in Kubernetes they are the tls component's flags, a Secret and the environment).
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ class TierConfig(_Strict):
     tokenizer and postprocessor, and the gateway. Each uses one core."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """Extra settings passed as flags (any field of the tier's settings class)."""
+    address: str = ""
+    """Where callers reach this tier when it runs outside `llmesh up` (which dials the
+    processes it starts), e.g. dns:///llmesh-tokenizer:50061 for a headless Service: the
+    gateway (and, for the tokenizer, the router) dial it when started with --mesh-config."""
 
 
 class GatewayConfig(_Strict):
@@ -74,6 +84,10 @@ class WorkerConfig(_Strict):
     """Cores for this worker's engine (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1"."""
     model: str = ""
     """Overrides the mesh's model for this worker."""
+    address: str = ""
+    """host:port whose DNS name resolves to this entry's workers (a headless Service in
+    Kubernetes, e.g. llmesh-worker-zone-a:50081): a router started with --mesh-config
+    re-resolves it and routes to every address. `llmesh up` dials its own processes."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """Any WorkerSettings field, e.g. tensor_parallel_size, data_parallel_size,
     distributed_executor_backend."""

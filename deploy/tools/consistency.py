@@ -1,24 +1,26 @@
-"""Check that deploy/ agrees with the code it deploys.
+"""Check that deploy/ agrees with the code it deploys (what kustomize and the schemas
+cannot see).
 
-Pydantic settings ignore unknown environment variables and a manifest can carry any
-string as a flag, so drift between the manifests and the tiers is silent at render time
-and fatal at rollout. This module makes it loud:
+The mesh itself is written once, in the llmesh-config ConfigMap (llmesh.yaml), which
+every tier reads with --mesh-config; nothing here compares copies of it. What is checked:
 
 - every container that runs ``llmesh <tier>`` names a command in ``llmesh.cli.COMMANDS``;
-  its arguments are parsed by that tier's own argparse parser and turned into the tier's
-  settings object (so unknown flags, bad values and malformed JSON all fail here), and
-  every ``LLMESH_*`` variable it sets is a field of that tier's settings class;
+  its arguments are parsed by that tier's own argparse parser and its settings object is
+  built as the process builds it, with the mesh config read from the ConfigMap the pod
+  mounts at the --mesh-config path (so unknown flags, bad values, a missing mount, a
+  malformed llmesh.yaml and a worker with no ``workers:`` entry all fail here), and every
+  ``LLMESH_*`` variable it sets is a field of that tier's settings class;
 - the server listens on the pod network (host 0.0.0.0) on the container's ``grpc`` port,
-  with metrics on its ``metrics`` port;
-- gRPC probes use that port: liveness asks for service "" and readiness for the tier's
-  full service name, read from the generated proto descriptors;
+  with metrics on its ``metrics`` port; gRPC probes use that port: liveness asks for
+  service "" and readiness for the tier's full service name (from the proto descriptors);
 - every Service's selector matches a workload and its target ports exist; every HPA
-  scales an existing workload;
-- the mesh config in the ``llmesh-config`` ConfigMap (``llmesh.meshconfig`` schema)
-  matches what the Deployments run: model, ports, replicas, zone ladder, worker pools and
-  their engine settings, TLS, and the router's DNS targets resolve to headless Services;
+  scales an existing workload that leaves ``spec.replicas`` to it; every PDB selects a
+  workload; every ConfigMap, Secret, PVC and ServiceAccount a pod names exists;
+- every ``workers:`` entry of the mesh config has a worker Deployment (its zone and
+  device) and an ``address`` that is a headless Service selecting exactly those pods on
+  their gRPC port, and the router's zone ladder covers every worker zone;
 - Dockerfiles' ``ENTRYPOINT`` runs ``llmesh <tier>`` for a known tier and their
-  ``LLMESH_*`` variables exist.
+  ``LLMESH_*`` variables exist; llmesh-healthcheck knows every tier's service and port.
 
 Usage: ``python -m deploy.tools.consistency`` (exit status 1 on any problem).
 """
@@ -32,14 +34,13 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
-
-from deploy.tools import render
+from deploy.tools import kustomize
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -191,6 +192,8 @@ class Invocation:
     env: dict[str, str]
     container: dict[str, Any]
     workload: dict[str, Any]
+    objects: list[dict[str, Any]] = field(default_factory=list)
+    """Everything rendered with the container (its ConfigMaps, Services)."""
     settings: Any = None
 
 
@@ -237,11 +240,54 @@ def invocations(objects: list[dict[str, Any]], where: str, report: Report) -> li
                 report.problems.append(f"{cname}: `llmesh {tier}` is not a serving tier")
                 continue
             env = {e["name"]: str(e.get("value", "")) for e in container.get("env", []) or []}
-            found.append(Invocation(cname, tier, rest, env, container, obj))
+            found.append(Invocation(cname, tier, rest, env, container, obj, objects))
     return found
 
 
-def check_invocation(inv: Invocation, report: Report) -> None:
+class MountError(Exception):
+    """A file a container's arguments name is not mounted from the manifests."""
+
+
+MESH_CONFIG_FLAG = "--mesh-config"
+
+
+def mounted_file(objects: list[dict[str, Any]], inv: Invocation, path: str) -> str:
+    """The content of ``path`` in ``inv``'s container, from the ConfigMap mounted there."""
+    pod = _pod_spec(inv.workload) or {}
+    volumes = {v["name"]: v for v in pod.get("volumes", []) or []}
+    for mount in inv.container.get("volumeMounts", []) or []:
+        root = str(mount["mountPath"]).rstrip("/") + "/"
+        if not path.startswith(root):
+            continue
+        source = volumes.get(mount["name"], {}).get("configMap")
+        if source is None:
+            raise MountError(f"{path} is mounted from volume {mount['name']}, not a ConfigMap")
+        key = path[len(root):]
+        maps = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == source["name"]]
+        if not maps or key not in (maps[0].get("data") or {}):
+            raise MountError(f"{path}: ConfigMap/{source['name']} has no key {key}")
+        return str(maps[0]["data"][key])
+    raise MountError(f"{path} is not under any volumeMount of the container")
+
+
+def _with_mounted_mesh_config(inv: Invocation, stack: contextlib.ExitStack) -> list[str]:
+    """``inv.args`` with --mesh-config pointing at a local copy of the mounted file."""
+    args = list(inv.args)
+    for i, arg in enumerate(args):
+        if arg == MESH_CONFIG_FLAG and i + 1 < len(args):
+            path, index, form = args[i + 1], i + 1, "{}"
+        elif arg.startswith(MESH_CONFIG_FLAG + "="):
+            path, index, form = arg.split("=", 1)[1], i, MESH_CONFIG_FLAG + "={}"
+        else:
+            continue
+        text = mounted_file(inv.objects, inv, path)
+        local = Path(stack.enter_context(tempfile.TemporaryDirectory())) / Path(path).name
+        local.write_text(text, encoding="utf-8")
+        args[index] = form.format(local)
+    return args
+
+
+def check_invocation(inv: Invocation, report: Report, stack: contextlib.ExitStack) -> None:
     cls = settings_class(inv.tier)
     if cls is None:
         report.unchecked.add(inv.tier)
@@ -249,8 +295,13 @@ def check_invocation(inv: Invocation, report: Report) -> None:
     for name in inv.env:
         if name.startswith("LLMESH_") and name not in GLOBAL_ENV and env_field(inv.tier, name, cls) is None:
             report.problems.append(f"{inv.where}: env {name} is not a field of {cls.__name__}")
+    args = list(inv.args)
     try:
-        inv.settings = build_settings(inv.tier, inv.args, inv.env)
+        args = _with_mounted_mesh_config(inv, stack)
+        inv.settings = build_settings(inv.tier, args, inv.env)
+    except MountError as err:
+        report.problems.append(f"{inv.where}: {err}")
+        return
     except ArgumentError as err:
         report.problems.append(f"{inv.where}: `llmesh {inv.tier}` rejects its arguments: {err}")
         return
@@ -320,7 +371,7 @@ def _template_labels(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_wiring(objects: list[dict[str, Any]], where: str, report: Report) -> None:
-    workloads = [o for o in objects if o["kind"] in render.WORKLOADS]
+    workloads = [o for o in objects if _pod_spec(o) is not None]
     for svc in (o for o in objects if o["kind"] == "Service"):
         selector = (svc.get("spec") or {}).get("selector") or {}
         targets = [w for w in workloads if _selects(selector, _template_labels(w))]
@@ -346,7 +397,7 @@ def check_wiring(objects: list[dict[str, Any]], where: str, report: Report) -> N
             report.problems.append(f"{where}: {ref['kind']}/{ref['name']} sets spec.replicas although "
                                    f"HPA/{hpa['metadata']['name']} owns its scale")
     for obj in objects:
-        for kind, holder, key in render._reference_slots(obj):
+        for kind, holder, key in _reference_slots(obj):
             if (kind, holder.get(key)) not in by_name and (kind, holder.get(key)) not in EXTERNAL:
                 report.problems.append(f"{where}: {obj['kind']}/{obj['metadata']['name']} refers to "
                                        f"{kind}/{holder.get(key)}, which is not in the manifests")
@@ -356,179 +407,81 @@ def check_wiring(objects: list[dict[str, Any]], where: str, report: Report) -> N
             report.problems.append(f"{where}: PDB/{pdb['metadata']['name']} selects no workload")
 
 
-def _scale_floor(objects: list[dict[str, Any]], workload: dict[str, Any]) -> int:
-    """The replicas a workload keeps at least: its HPA's minReplicas, else spec.replicas."""
-    for hpa in (o for o in objects if o["kind"] == "HorizontalPodAutoscaler"):
-        ref = hpa["spec"]["scaleTargetRef"]
-        if (ref["kind"], ref["name"]) == (workload["kind"], workload["metadata"]["name"]):
-            return int(hpa["spec"].get("minReplicas", 1))
-    return int(workload["spec"].get("replicas", 1))
-
-
-def _mesh_config(objects: list[dict[str, Any]], where: str, report: Report) -> Any | None:
-    from llmesh.meshconfig import MeshConfig
-
-    maps = [o for o in objects if o["kind"] == "ConfigMap"
-            and o["metadata"]["name"].startswith("llmesh-config") and "llmesh.yaml" in (o.get("data") or {})]
-    if len(maps) != 1:
-        report.problems.append(f"{where}: expected one llmesh-config ConfigMap with llmesh.yaml, "
-                               f"found {len(maps)}")
-        return None
-    try:
-        return MeshConfig.model_validate(yaml.safe_load(maps[0]["data"]["llmesh.yaml"]) or {})
-    except ValueError as err:
-        report.problems.append(f"{where}: llmesh.yaml does not follow llmesh.meshconfig: {err}")
-        return None
-
-
-def _settings_differ(settings: Any, wanted: dict[str, Any]) -> list[str]:
-    differences = []
-    for key, value in wanted.items():
-        actual = getattr(settings, key, None)
-        if isinstance(actual, tuple):
-            actual = list(actual)
-        if actual != value:
-            differences.append(f"{key}={actual!r} (config says {value!r})")
-    return differences
-
-
-def check_config(
-    objects: list[dict[str, Any]], runs: list[Invocation], where: str, report: Report
-) -> None:
-    config = _mesh_config(objects, where, report)
-    if config is None or any(inv.settings is None for inv in runs):
+def _reference_slots(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """(kind, dict holding the name, key of the name) for every object a pod names."""
+    pod = _pod_spec(obj)
+    if pod is None:
         return
-    by_tier: dict[str, list[Invocation]] = {}
-    for inv in runs:
-        by_tier.setdefault(inv.tier, []).append(inv)
-    served = config.served_model_name or Path(config.model).name
-
-    for tier in ("gateway", "tokenizer", "postprocessor", "router"):
-        if len(by_tier.get(tier, [])) != 1:
-            count = len(by_tier.get(tier, []))
-            report.problems.append(f"{where}: expected one {tier} Deployment, found {count}")
-            continue
-        inv = by_tier[tier][0]
-        tier_config = getattr(config, tier)
-        floor = _scale_floor(objects, inv.workload)
-        if tier != "gateway" and floor != tier_config.replicas:
-            report.problems.append(
-                f"{inv.where}: minimum replicas {floor}, config says {tier_config.replicas}"
-            )
-        for diff in _settings_differ(inv.settings, dict(tier_config.settings)):
-            report.problems.append(f"{inv.where}: {diff}")
-        if bool(inv.settings.tls_cert) != config.tls.enabled:
-            report.problems.append(f"{inv.where}: TLS {'on' if inv.settings.tls_cert else 'off'}, "
-                                   f"config tls.enabled={config.tls.enabled}")
-        elif config.tls.enabled:
-            certs_dir = config.tls.certs_dir.rstrip("/") + "/"
-            if config.tls.certs_dir and not inv.settings.tls_cert.startswith(certs_dir):
-                report.problems.append(f"{inv.where}: TLS files outside tls.certs_dir {certs_dir}")
-            if bool(inv.settings.tls_client_ca) != config.tls.mutual:
-                report.problems.append(
-                    f"{inv.where}: mutual TLS does not match tls.mutual={config.tls.mutual}"
-                )
-        if tier in ("tokenizer", "postprocessor"):
-            expected = [f"{served}={config.model}"]
-            if list(inv.settings.models) != expected:
-                report.problems.append(
-                    f"{inv.where}: --models={inv.settings.models}, config implies {expected}"
-                )
-
-    if by_tier.get("gateway"):
-        gw = by_tier["gateway"][0].settings
-        wanted = {"host": config.gateway.host, "port": config.gateway.port,
-                  "http_port": config.gateway.http_port,
-                  "default_filter_mode": config.gateway.default_filter_mode}
-        for diff in _settings_differ(gw, wanted):
-            report.problems.append(f"{where}: gateway {diff}")
-        if gw.http_port >= 0:
-            gw_inv = by_tier["gateway"][0]
-            ports = {p.get("name"): p.get("containerPort") for p in gw_inv.container.get("ports", [])}
-            if ports.get("http") != gw.http_port or gw.http_host not in ("0.0.0.0", "::"):
-                report.problems.append(f"{gw_inv.where}: HTTP listener {gw.http_host}:{gw.http_port} "
-                                       f"is not the container's http port {ports.get('http')}")
-        if gw.default_model != served:
-            report.problems.append(f"{where}: gateway --default-model={gw.default_model}, model is {served}")
-
-    workers = by_tier.get("worker", [])
-    if by_tier.get("router"):
-        router = by_tier["router"][0].settings
-        ladder = list(config.router.zones) or list(dict.fromkeys(w.zone for w in config.workers))
-        if list(router.zones) != ladder:
-            report.problems.append(f"{where}: router --zones={router.zones}, config ladder {ladder}")
-        if list(router.degraded_zones) != list(config.router.degraded_zones):
-            report.problems.append(f"{where}: router --degraded-zones={router.degraded_zones}, "
-                                   f"config {config.router.degraded_zones}")
-        _check_dns_targets(objects, router, workers, where, report)
-
-    pools: dict[tuple[str, str], Invocation | None] = {
-        (w.settings.zone, w.settings.device): w for w in workers
-    }
-    for entry in config.workers:
-        pool = pools.pop((entry.zone, entry.device), None)
-        if pool is None:
-            report.problems.append(f"{where}: config worker zone={entry.zone} device={entry.device} "
-                                   "has no Deployment")
-            continue
-        model = entry.model or config.model
-        wanted = {"model": model, "served_model_name": served, **entry.settings}
-        if entry.cpu_omp_threads_bind:
-            wanted["cpu_omp_threads_bind"] = entry.cpu_omp_threads_bind
-        for diff in _settings_differ(pool.settings, wanted):
-            report.problems.append(f"{pool.where}: {diff}")
-        if bool(pool.settings.tls_cert) != config.tls.enabled:
-            report.problems.append(f"{pool.where}: TLS does not match tls.enabled={config.tls.enabled}")
-    for (zone, device), left in pools.items():
-        if left is not None:
-            report.problems.append(f"{left.where}: worker {zone}/{device} is not in the config")
+    if "serviceAccountName" in pod:
+        yield "ServiceAccount", pod, "serviceAccountName"
+    for volume in pod.get("volumes", []) or []:
+        if "configMap" in volume:
+            yield "ConfigMap", volume["configMap"], "name"
+        if "secret" in volume:
+            yield "Secret", volume["secret"], "secretName"
+        if "persistentVolumeClaim" in volume:
+            yield "PersistentVolumeClaim", volume["persistentVolumeClaim"], "claimName"
+    for container in pod.get("containers", []) or []:
+        for env in container.get("env", []) or []:
+            value_from = env.get("valueFrom", {}) or {}
+            if "configMapKeyRef" in value_from:
+                yield "ConfigMap", value_from["configMapKeyRef"], "name"
+            if "secretKeyRef" in value_from:
+                yield "Secret", value_from["secretKeyRef"], "name"
 
 
-def _check_dns_targets(
-    objects: list[dict[str, Any]], router: Any, workers: list[Invocation], where: str, report: Report
-) -> None:
+def check_mesh(objects: list[dict[str, Any]], runs: list[Invocation], where: str, report: Report) -> None:
+    """The mesh config the pods read against the pods that exist: every worker entry has
+    its pool, reached through a headless Service at its address; the ladder covers it."""
+    if not runs or any(inv.settings is None for inv in runs):
+        return
+    routers = [inv for inv in runs if inv.tier == "router"]
+    workers = [inv for inv in runs if inv.tier == "worker"]
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
-    covered = set()
-    for target in router.dns_targets:
-        host, _, port = target.name.rpartition(":")
-        host = host.removeprefix("dns:///").split(".")[0]
-        svc = services.get(host)
-        if svc is None or svc["spec"].get("clusterIP") != "None":
-            report.problems.append(f"{where}: router DNS target {target.name} is not a headless Service")
-            continue
-        if not any(str(p.get("port")) == port for p in svc["spec"].get("ports", [])):
-            report.problems.append(f"{where}: router DNS target {target.name}: Service has no port {port}")
-        selected = [w for w in workers if _selects(svc["spec"].get("selector") or {},
-                                                   w.workload["spec"]["template"]["metadata"]["labels"])]
-        if not selected:
-            report.problems.append(f"{where}: router DNS target {target.name} selects no worker")
-        for w in selected:
-            covered.add(id(w))
-            if (w.settings.zone, w.settings.device) != (target.zone, target.device):
-                report.problems.append(
-                    f"{where}: router DNS target {target.name} says zone={target.zone} "
-                    f"device={target.device}, its pods run {w.settings.zone}/{w.settings.device}"
-                )
-            if str(w.settings.port) != port:
-                report.problems.append(
-                    f"{where}: router DNS target {target.name}: workers listen on {w.settings.port}"
-                )
-        if target.zone not in router.zones:
-            report.problems.append(f"{where}: router DNS target zone {target.zone} is not on the ladder")
-    for w in workers:
-        if id(w) not in covered:
-            report.problems.append(f"{w.where}: no router DNS target reaches this worker pool")
+    for router in routers:
+        covered: set[int] = set()
+        for target in router.settings.dns_targets:
+            host, _, port = target.name.removeprefix("dns:///").rpartition(":")
+            svc = services.get(host.split(".")[0])
+            if svc is None or svc["spec"].get("clusterIP") != "None":
+                report.problems.append(f"{where}: worker address {target.name} is not a headless Service")
+                continue
+            if not any(str(p.get("port")) == port for p in svc["spec"].get("ports", [])):
+                report.problems.append(f"{where}: worker address {target.name}: Service has no port {port}")
+            selected = [w for w in workers
+                        if _selects(svc["spec"].get("selector") or {}, _template_labels(w.workload))]
+            if not selected:
+                report.problems.append(f"{where}: worker address {target.name} selects no worker pods "
+                                       f"(no Deployment runs zone={target.zone} device={target.device})")
+            for w in selected:
+                covered.add(id(w))
+                if (w.settings.zone, w.settings.device) != (target.zone, target.device):
+                    report.problems.append(
+                        f"{where}: worker address {target.name} is zone={target.zone} "
+                        f"device={target.device}, its pods run {w.settings.zone}/{w.settings.device}"
+                    )
+                if str(w.settings.port) != port:
+                    report.problems.append(
+                        f"{where}: worker address {target.name}: its workers listen on {w.settings.port}"
+                    )
+            if target.zone not in router.settings.zones:
+                report.problems.append(f"{where}: worker zone {target.zone} is not on the router's ladder")
+        for w in workers:
+            if id(w) not in covered:
+                report.problems.append(f"{w.where}: no workers: address in the mesh config reaches "
+                                       "this pool, so no router sends it requests")
 
 
 def check_objects(objects: list[dict[str, Any]], where: str) -> Report:
     """Every check on one rendered overlay."""
     report = Report()
     runs = invocations(objects, where, report)
-    for inv in runs:
-        check_invocation(inv, report)
+    with contextlib.ExitStack() as stack:
+        for inv in runs:
+            check_invocation(inv, report, stack)
     check_wiring(objects, where, report)
     if not report.unchecked:
-        check_config(objects, runs, where, report)
+        check_mesh(objects, runs, where, report)
     return report
 
 
@@ -605,7 +558,8 @@ def check_dockerfile(path: Path) -> Report:
 
 
 def overlay_dirs() -> list[Path]:
-    return sorted(p for p in OVERLAYS.iterdir() if (p / "kustomization.yaml").is_file())
+    """The environments: what `kubectl apply -k` is run on."""
+    return sorted(p for p in OVERLAYS.iterdir() if kustomize.kustomization_file(p) is not None)
 
 
 def check_all() -> Report:
@@ -613,8 +567,8 @@ def check_all() -> Report:
     for overlay in overlay_dirs():
         where = str(overlay.relative_to(REPO))
         try:
-            objects = render.build(overlay)
-        except render.RenderError as err:
+            objects = kustomize.build(overlay)
+        except kustomize.KustomizeError as err:
             report.problems.append(f"{where}: does not render: {err}")
             continue
         report.extend(check_objects(objects, where))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
@@ -78,6 +80,10 @@ class ServerSettings(BaseSettings):
     """Log format: json (one object per line) or text."""
     service_name: str = ""
     """OpenTelemetry service.name; empty uses OTEL_SERVICE_NAME or llmesh-<tier>."""
+    mesh_config: str = ""
+    """Mesh config file (llmesh.yaml, the schema `llmesh up --config` reads) to take this
+    tier's settings from: model, peers' addresses, zone ladder, the worker entry of this
+    --zone/--device, and the tier's `settings:`. Flags and environment variables override it."""
 
     @field_validator("caller_identities", mode="before")
     @classmethod
@@ -165,7 +171,8 @@ def _parse_complex(value: str, annotation: Any) -> Any:
 
 
 def settings_from_args(cls: type[S], args: argparse.Namespace, **overrides: Any) -> S:
-    """Build settings: explicit CLI values win over the environment and defaults."""
+    """Build settings: explicit CLI values win over the environment, the environment over
+    the mesh config (``--mesh-config``), and that over the defaults."""
     values: dict[str, Any] = {}
     for name, info in cls.model_fields.items():
         value = getattr(args, name, None)
@@ -176,4 +183,117 @@ def settings_from_args(cls: type[S], args: argparse.Namespace, **overrides: Any)
             value = _parse_complex(value, annotation)
         values[name] = value
     values.update(overrides)
+    if "mesh_config" in cls.model_fields:
+        path = values.get("mesh_config") or _env_value(cls, "mesh_config")
+        if path:
+            from_mesh = mesh_values(cls, load_mesh(path), values)
+            in_env = {name for name in from_mesh if _env_value(cls, name) is not None}
+            values = {**{k: v for k, v in from_mesh.items() if k not in in_env}, **values}
     return cls(**values)
+
+
+# ---------------------------------------------------------------------------- mesh config
+# One file, llmesh.yaml (llmesh.meshconfig.MeshConfig, the schema `llmesh up` reads), says
+# what the mesh is; every tier takes its part of it with --mesh-config. In Kubernetes the
+# file is the llmesh-config ConfigMap and Deployment arguments say only who a pod is (its
+# tier, and a worker's zone and device) and how its pod is wired (ports, mounted files).
+
+
+def tier_of(cls: type[BaseSettings]) -> str:
+    """The tier a settings class belongs to, from its env prefix (LLMESH_<TIER>_)."""
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    return prefix.removeprefix("LLMESH_").rstrip("_").lower()
+
+
+def _env_value(cls: type[BaseSettings], name: str) -> str | None:
+    """The environment variable that sets field ``name`` (or a nested key of it), if any."""
+    wanted = f"{cls.model_config.get('env_prefix', '')}{name}".upper()
+    for key, value in os.environ.items():
+        upper = key.upper()
+        if upper == wanted or upper.startswith(wanted + "__"):
+            return value
+    return None
+
+
+def load_mesh(path: str) -> Any:
+    """The mesh config at ``path`` (a clear ValueError naming the file when it is wrong)."""
+    from llmesh.meshconfig import load_mesh_config
+
+    try:
+        return load_mesh_config(Path(path).expanduser())
+    except OSError as exc:
+        raise ValueError(f"mesh config {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # yaml errors and pydantic.ValidationError
+        raise ValueError(f"mesh config {path}: {exc}") from exc
+
+
+def _model_dir(spec: str) -> str:
+    """A model the mesh config names: a name `llmesh model` knows, or a directory."""
+    from llmesh.models import MODELS, model_path
+
+    return str(model_path(spec)) if spec in MODELS else spec
+
+
+def mesh_values(cls: type[BaseSettings], config: Any, explicit: dict[str, Any]) -> dict[str, Any]:
+    """The settings of ``cls``'s tier that the mesh config determines, as `llmesh up` would
+    pass them (``explicit`` are the values set by flags: a worker's zone and device choose
+    its ``workers:`` entry). Fields the tier does not have are left out."""
+    from services.common.modelinfo import served_model_name
+
+    tier = tier_of(cls)
+    model = _model_dir(config.model)
+    served = served_model_name(model, config.served_model_name)
+    values: dict[str, Any] = {}
+    if tier == "gateway":
+        gw = config.gateway
+        values.update(host=gw.host, port=gw.port, http_port=gw.http_port, http_host=gw.host,
+                      default_filter_mode=gw.default_filter_mode, default_model=served)
+        if gw.audit_log:
+            values["audit_log"] = gw.audit_log
+        for name in ("tokenizer", "router", "postprocessor"):
+            if getattr(config, name).address:
+                values[f"{name}_targets"] = [getattr(config, name).address]
+        values.update(gw.settings)
+    elif tier in ("tokenizer", "postprocessor"):
+        values["models"] = [f"{served}={model}"]
+        values.update(getattr(config, tier).settings)
+    elif tier == "router":
+        router = config.router
+        values.update(
+            zones=list(router.zones) or list(dict.fromkeys(w.zone for w in config.workers)),
+            degraded_zones=list(router.degraded_zones),
+            default_model=served,
+            dns_targets=[{"name": w.address, "zone": w.zone, "device": w.device}
+                         for w in config.workers if w.address],
+        )
+        if config.tokenizer.address:
+            values["tokenizer_target"] = config.tokenizer.address
+        values.update(router.settings)
+    elif tier == "worker":
+        entry = _worker_entry(config, explicit)
+        settings = dict(entry.settings)
+        engine_args = {**settings.pop("engine_args", {}), **entry.engine_args}
+        values.update(model=_model_dir(entry.model) if entry.model else model,
+                      served_model_name=served, zone=entry.zone, device=entry.device,
+                      engine=entry.engine, **settings)
+        if engine_args:
+            values["engine_args"] = engine_args
+        if entry.cpu_omp_threads_bind:
+            values["cpu_omp_threads_bind"] = entry.cpu_omp_threads_bind
+    return {k: v for k, v in values.items() if k in cls.model_fields}
+
+
+def _worker_entry(config: Any, explicit: dict[str, Any]) -> Any:
+    """The ``workers:`` entry of this worker: the one with its --zone (and --device)."""
+    zone = explicit.get("zone") or os.environ.get("LLMESH_WORKER_ZONE", "")
+    device = explicit.get("device") or os.environ.get("LLMESH_WORKER_DEVICE", "")
+    found = [w for w in config.workers
+             if (not zone or w.zone == zone) and (device in ("", "auto") or w.device == device)]
+    if len(found) == 1:
+        return found[0]
+    who = f"zone={zone or '(any)'} device={device or '(any)'}"
+    listed = ", ".join(f"{w.zone}/{w.device}" for w in config.workers) or "none"
+    if not found:
+        raise ValueError(f"mesh config has no workers: entry for {who} (entries: {listed})")
+    raise ValueError(f"mesh config has {len(found)} workers: entries for {who}; "
+                     "give --zone and --device to choose one")

@@ -1,34 +1,30 @@
-"""Fixtures for the deployment tests: the kustomizations and their rendered output."""
+"""Fixtures for the deployment tests: every kustomization, rendered by the real kustomize
+(``kubectl kustomize``), and the tiers' settings as each container builds them."""
 
 from __future__ import annotations
 
-import shutil
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deploy.tools import render
+from deploy.tools import consistency, kustomize
+from deploy.tools.validate import K8S_VERSION
 
-REPO = Path(__file__).resolve().parents[2]
-K8S = REPO / "deploy" / "k8s"
-
-# The Kubernetes version whose schemas the manifests must satisfy (kubernetes-validate
-# ships strict schemas up to its own version; 1.33 has the native preStop sleep action).
-K8S_VERSION = "1.33"
+REPO = kustomize.REPO
+K8S = kustomize.K8S
+__all__ = ["K8S", "K8S_VERSION", "REPO"]
 
 
 def kustomization_dirs() -> list[Path]:
     """Every buildable kustomization (components are built through the overlays)."""
-    found = []
-    for path in sorted(K8S.rglob("kustomization.yaml")):
-        if "kind: Component" not in path.read_text(encoding="utf-8"):
-            found.append(path.parent)
-    return found
+    return kustomize.kustomization_dirs(K8S)
 
 
 def overlay_dirs() -> list[Path]:
-    return sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+    return consistency.overlay_dirs()
 
 
 def rel(path: Path) -> str:
@@ -37,17 +33,25 @@ def rel(path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def rendered() -> dict[str, list[dict[str, Any]]]:
-    """Every kustomization rendered once by the Python renderer, by relative path."""
-    return {rel(d): render.build(d) for d in kustomization_dirs()}
+    """Every kustomization rendered once by ``kubectl kustomize``, by relative path. A
+    missing kubectl fails (not skips): `.ci/run` installs it, README says how."""
+    try:
+        return {rel(d): kustomize.build(d) for d in kustomization_dirs()}
+    except kustomize.KustomizeError as err:
+        pytest.fail(str(err))
 
 
-@pytest.fixture(scope="session")
-def kubectl() -> str:
-    """``kubectl`` (its built-in kustomize is the reference implementation)."""
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.skip("kubectl is not installed: the cross-check against real kustomize needs it")
-    return path
+@contextlib.contextmanager
+def built_settings(objects: list[dict[str, Any]], where: str = "test") -> Iterator[dict[str, Any]]:
+    """Each Deployment's tier settings, built by the tier's own CLI code from its container
+    arguments and the llmesh.yaml its pod mounts (as the process would), by name."""
+    report = consistency.Report()
+    runs = consistency.invocations(objects, where, report)
+    with contextlib.ExitStack() as stack:
+        for inv in runs:
+            consistency.check_invocation(inv, report, stack)
+        assert not report.problems, report.problems
+        yield {inv.workload["metadata"]["name"]: inv.settings for inv in runs}
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

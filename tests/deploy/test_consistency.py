@@ -1,5 +1,6 @@
 """deploy/ against the code: the consistency check passes on the real manifests and
-Dockerfiles, and catches each kind of drift it exists for."""
+Dockerfiles, and catches each kind of mistake it exists for (the mesh config itself is
+written once and read by every tier, so no copies are compared)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from deploy.tools import consistency, render
+from deploy.tools import consistency, kustomize
 from tests.deploy.conftest import named
 
 PROD = "deploy/k8s/overlays/prod"
@@ -24,7 +26,7 @@ def prod() -> list[dict[str, Any]]:
     missing = tier_code_missing()
     if missing:
         pytest.skip(f"tier settings modules not written yet: {missing}")
-    return render.build(consistency.REPO / PROD)
+    return kustomize.build(consistency.REPO / PROD)
 
 
 def container(objects: list[dict[str, Any]], deployment: str) -> dict[str, Any]:
@@ -63,12 +65,46 @@ def test_unknown_flag_is_caught(prod: list[dict[str, Any]]) -> None:
     assert any("unrecognized arguments: --tensor-paralel-size=2" in p for p in problems(objects))
 
 
-def test_bad_flag_value_is_caught(prod: list[dict[str, Any]]) -> None:
+def mesh_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The llmesh.yaml of the ConfigMap every pod mounts (write it back with edit_mesh)."""
+    return dict(yaml.safe_load(config_map(objects)["data"]["llmesh.yaml"]))
+
+
+def config_map(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (cm,) = [o for o in objects
+             if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("llmesh-config")]
+    return cm
+
+
+def edit_mesh(objects: list[dict[str, Any]], mesh: dict[str, Any]) -> None:
+    config_map(objects)["data"]["llmesh.yaml"] = yaml.safe_dump(mesh)
+
+
+def test_bad_mesh_config_is_caught(prod: list[dict[str, Any]]) -> None:
+    objects = copy.deepcopy(prod)
+    mesh = mesh_config(objects)
+    mesh["workers"][0]["zonee"] = "zone-a"
+    edit_mesh(objects, mesh)
+    found = problems(objects)
+    assert any("invalid settings for router" in p and "zonee" in p for p in found)
+    objects = copy.deepcopy(prod)
+    mesh = mesh_config(objects)
+    mesh["router"]["settings"] = {"max_queue": -1}
+    edit_mesh(objects, mesh)
+    assert any("invalid settings for router" in p and "max_queue" in p for p in problems(objects))
+
+
+def test_mesh_config_must_be_mounted_where_the_flag_says(prod: list[dict[str, Any]]) -> None:
     objects = copy.deepcopy(prod)
     args = container(objects, "llmesh-router")["args"]
-    index = next(i for i, a in enumerate(args) if a.startswith("--dns-targets="))
-    args[index] = '--dns-targets=[{"name": "llmesh-worker-zone-a:50081", "zonee": "zone-a"}]'
-    assert any("invalid settings for router" in p for p in problems(objects))
+    args[args.index("--mesh-config=/etc/llmesh/config/llmesh.yaml")] = "--mesh-config=/etc/llmesh/mesh.yaml"
+    mounts = container(objects, "llmesh-tokenizer")["volumeMounts"]
+    mounts[:] = [m for m in mounts if m["name"] != "config"]
+    found = problems(objects)
+    assert any("llmesh-router container router: /etc/llmesh/mesh.yaml is not under any volumeMount" in p
+               for p in found)
+    assert any("llmesh-tokenizer container tokenizer: /etc/llmesh/config/llmesh.yaml is not under" in p
+               for p in found)
 
 
 def test_unknown_or_misprefixed_env_var_is_caught(prod: list[dict[str, Any]]) -> None:
@@ -82,7 +118,7 @@ def test_unknown_or_misprefixed_env_var_is_caught(prod: list[dict[str, Any]]) ->
 
 def test_probe_service_and_port_are_checked(prod: list[dict[str, Any]]) -> None:
     objects = copy.deepcopy(prod)
-    dev = render.build(consistency.REPO / "deploy/k8s/overlays/dev")
+    dev = kustomize.build(consistency.REPO / "deploy/k8s/overlays/dev")
     c = container(dev, "llmesh-postprocessor")
     c["readinessProbe"]["grpc"]["service"] = "llmesh.postprocessor.v1.PostprocessService"
     c["livenessProbe"]["grpc"]["port"] = 50061
@@ -103,23 +139,27 @@ def test_ports_and_bind_address_are_checked(prod: list[dict[str, Any]]) -> None:
     assert any("--metrics-port=9091" in p for p in found)
 
 
-def test_config_drift_is_caught(prod: list[dict[str, Any]]) -> None:
+def test_worker_pools_and_the_mesh_config_must_match(prod: list[dict[str, Any]]) -> None:
     objects = copy.deepcopy(prod)
-    router = container(objects, "llmesh-router")["args"]
-    index = next(i for i, a in enumerate(router) if a.startswith("--zones="))
-    router[index] = "--zones=zone-b,zone-a,kunpeng"
-    worker = container(objects, "llmesh-worker-zone-b")["args"]
-    worker[worker.index("--tensor-parallel-size=4")] = "--tensor-parallel-size=8"
-    named(objects, "HorizontalPodAutoscaler", "llmesh-tokenizer")["spec"]["minReplicas"] = 5
+    mesh = mesh_config(objects)
+    mesh["workers"] = [w for w in mesh["workers"] if w["zone"] != "zone-b"]
+    edit_mesh(objects, mesh)
+    # A pool whose worker entry is gone cannot start (and no router would reach it).
+    assert any("llmesh-worker-zone-b container worker" in p and "no workers: entry for zone=zone-b" in p
+               for p in problems(objects))
+    objects = copy.deepcopy(prod)
+    mesh = mesh_config(objects)
+    mesh["router"]["zones"] = ["zone-a", "kunpeng"]
+    next(w for w in mesh["workers"] if w["zone"] == "zone-a")["address"] = "llmesh-worker-zone-a:50091"
+    edit_mesh(objects, mesh)
     named(objects, "Deployment", "llmesh-router")["spec"]["replicas"] = 3
     found = problems(objects)
-    assert any("router --zones=['zone-b', 'zone-a', 'kunpeng'], config ladder" in p for p in found)
-    assert any("tensor_parallel_size=8 (config says 4)" in p for p in found)
-    assert any("llmesh-tokenizer container tokenizer: minimum replicas 5, config says 3" in p for p in found)
+    assert any("worker zone zone-b is not on the router's ladder" in p for p in found)
+    assert any("llmesh-worker-zone-a:50091: Service has no port 50091" in p for p in found)
     assert any("Deployment/llmesh-router sets spec.replicas although HPA" in p for p in found)
 
 
-def test_dns_target_must_be_a_headless_service_of_that_zone(prod: list[dict[str, Any]]) -> None:
+def test_worker_address_must_be_a_headless_service_of_that_zone(prod: list[dict[str, Any]]) -> None:
     objects = copy.deepcopy(prod)
     named(objects, "Service", "llmesh-worker-zone-a")["spec"]["clusterIP"] = "10.0.0.1"
     assert any("llmesh-worker-zone-a:50081 is not a headless Service" in p for p in problems(objects))
@@ -127,17 +167,16 @@ def test_dns_target_must_be_a_headless_service_of_that_zone(prod: list[dict[str,
     selector = named(objects, "Service", "llmesh-worker-zone-b")["spec"]["selector"]
     selector.update({"llmesh.io/zone": "zone-a", "llmesh.io/device": "cuda"})
     found = problems(objects)
-    assert any("says zone=zone-b device=npu, its pods run zone-a/cuda" in p for p in found)
-    assert any("llmesh-worker-zone-b container worker: no router DNS target reaches" in p for p in found)
+    assert any("is zone=zone-b device=npu, its pods run zone-a/cuda" in p for p in found)
+    assert any("llmesh-worker-zone-b container worker: no workers: address" in p for p in found)
 
 
 def test_wiring_between_objects_is_checked(prod: list[dict[str, Any]]) -> None:
     objects = copy.deepcopy(prod)
     named(objects, "HorizontalPodAutoscaler", "llmesh-gateway")["spec"]["scaleTargetRef"]["name"] = "gw"
     named(objects, "Service", "llmesh-router")["spec"]["ports"][0]["targetPort"] = "grcp"
-    named(objects, "Deployment", "llmesh-tokenizer")["spec"]["template"]["spec"]["volumes"][0][
-        "persistentVolumeClaim"
-    ]["claimName"] = "models"
+    volumes = named(objects, "Deployment", "llmesh-tokenizer")["spec"]["template"]["spec"]["volumes"]
+    next(v for v in volumes if v["name"] == "models")["persistentVolumeClaim"]["claimName"] = "models"
     found = problems(objects)
     assert any("refers to PersistentVolumeClaim/models, which is not in the manifests" in p for p in found)
     assert any("scales missing Deployment/gw" in p for p in found)
@@ -176,6 +215,9 @@ def test_worker_device_and_engine_choices_are_checked(prod: list[dict[str, Any]]
     objects = copy.deepcopy(prod)
     args = container(objects, "llmesh-worker-zone-b")["args"]
     args[args.index("--device=npu")] = "--device=ascend"
+    mesh = mesh_config(objects)
+    next(w for w in mesh["workers"] if w["zone"] == "zone-b")["device"] = "ascend"
+    edit_mesh(objects, mesh)
     container(objects, "llmesh-worker-kunpeng")["args"].append("--engine=fake")
     found = problems(objects)
     assert any("--device=ascend is not one of auto, cpu, cuda, npu" in p for p in found)
