@@ -1,6 +1,7 @@
 # llmesh: two commands do all the set-up on a fresh machine.
 #   make run   - install (CPU build), prepare the default model, start the whole mesh
-#   make test  - install with dev tools, then buf lint, ruff, mypy and the whole pytest suite
+#   make test  - install with dev tools, then buf lint, ruff, mypy, the Kubernetes manifests
+#                (rendered by kubectl kustomize, validated strictly) and the whole pytest suite
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,11 +10,12 @@ PIP := $(PY) -m pip
 CONFIG ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev protos model lint typecheck buf-lint pytest clean help
+.PHONY: run test install install-dev protos model lint typecheck buf-lint manifests pytest clean help
 
 help:
 	@echo "make run    start the mesh on the default model (installs what is missing)"
-	@echo "make test   buf lint, ruff, mypy and the whole pytest suite"
+	@echo "make test   buf lint, ruff, mypy, Kubernetes manifests and the whole pytest suite"
+	@echo "make manifests  render every deploy/k8s kustomization (kubectl) and validate it"
 	@echo "make protos regenerate gRPC stubs from protos/"
 
 $(PY):
@@ -57,13 +59,20 @@ lint: install-dev
 typecheck: install-dev
 	$(VENV)/bin/mypy
 
+# Every kustomization under deploy/k8s rendered by the real kustomize (kubectl's) and
+# every object validated strictly (CRD kinds against deploy/k8s/schemas/), then the
+# manifests checked against the tiers' code. Needs kubectl (README, Development).
+manifests: install-dev
+	$(PY) -m deploy.tools.validate
+	$(PY) -m deploy.tools.consistency
+
 pytest: install-dev
 	$(VENV)/bin/llmesh model prepare --quiet
 	$(VENV)/bin/llmesh model prepare tiny-deepseek --quiet
 	# The venv's bin on PATH: tests run the real grpcurl and buf installed there.
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
 
-test: buf-lint lint typecheck pytest
+test: buf-lint lint typecheck manifests pytest
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info llmesh/v1 llmesh/common llmesh/worker llmesh/router \
