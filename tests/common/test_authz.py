@@ -51,8 +51,8 @@ SERVICES: dict[str, pb_descriptor.ServiceDescriptor] = {
 # tier -> method -> roles allowed. Everything else is refused.
 EXPECTED: dict[str, dict[str, set[str]]] = {
     "router": {"Generate": {"gateway"}, "Abort": {"gateway"}, "ListWorkers": {"gateway", "operator"}},
-    "worker": {"Generate": {"router"}, "GenerateBatch": {"router"}, "Abort": {"router"},
-               "GetLoad": {"router", "operator"}, "WatchLoad": {"router", "operator"},
+    "worker": {"Generate": {"router"}, "GenerateBatch": {"router"}, "Session": {"router"},
+               "Abort": {"router"}, "GetLoad": {"router", "operator"}, "WatchLoad": {"router", "operator"},
                "GetModelInfo": {"router", "operator"}},
     "tokenizer": {"Encode": {"gateway"}, "EncodeBatch": {"gateway"},
                   "ListModels": {"gateway", "router", "operator"}},
