@@ -234,11 +234,12 @@ async def servers(certs: dict[str, Path]) -> AsyncIterator[dict[str, ServerHandl
 
 async def _call(channel: grpc.aio.Channel, path: str, method: pb_descriptor.MethodDescriptor
                 ) -> grpc.StatusCode:
-    """Call ``path`` with one empty request message; the status it ends with."""
+    """Call ``path`` (one empty request message; none on a client stream, so the client's
+    write cannot race the server's refusal); the status it ends with."""
     kwargs: dict[str, Any] = {"request_serializer": lambda m: m, "response_deserializer": lambda b: b}
     try:
         if method.client_streaming:
-            requests = iter([b""])
+            requests: Any = iter([])
             if method.server_streaming:
                 async for _ in channel.stream_stream(path, **kwargs)(requests, timeout=10):
                     pass

