@@ -115,7 +115,12 @@ class LoadLoop:
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def _loop(self) -> None:
+    async def _loop(self, offset_s: float) -> None:
+        # The fake engine is step-based like an accelerator: streams started together
+        # advance and end together, so unstaggered loops would leave gaps between waves in
+        # which no stream is mid-way (a fault landing there hits nothing). Starting each
+        # loop at its own phase keeps some stream mid-way at every moment.
+        await asyncio.sleep(offset_s)
         while (not self._stopping.is_set() and self._sent < self.max_requests
                and time.monotonic() < self.deadline):
             prompt = self.prompts[self._sent % len(self.prompts)]
@@ -123,7 +128,9 @@ class LoadLoop:
             self.outcomes.append(await one_stream(self.stub, prompt))
 
     async def __aenter__(self) -> LoadLoop:
-        self._tasks = [asyncio.create_task(self._loop()) for _ in range(self.concurrency)]
+        stream_s = MAX_TOKENS * TOKEN_DELAY_MS / 1000.0
+        self._tasks = [asyncio.create_task(self._loop(i * stream_s / self.concurrency))
+                       for i in range(self.concurrency)]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
