@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from llmesh.procs import TierProcess
-from tests.router.helpers import request, start_router
+from tests.router.helpers import request, start_router, wait_for
 from tests.router.procs import spawn_real_worker
 
 pytestmark = [pytest.mark.engine, pytest.mark.chaos]
@@ -72,6 +72,11 @@ async def test_kill_9_of_a_real_worker_mid_stream_gives_the_same_greedy_text(
         undisturbed, final = await _generate(rut)
         assert len(undisturbed) == N and final.served_by.worker_id == "rw-a"
         assert final.served_by.device == "cpu" and not final.served_by.degraded
+        # The undisturbed run kept rw-a's core busy; on a loaded box one of its load polls
+        # may have missed the 1 s deadline, taking it out of routing for a moment (then the
+        # next request starts on rw-b and nothing is resumed). Wait until it is back.
+        state = rut.router.registry.workers[a.address]
+        await wait_for(lambda: state.routable() and state.in_flight == 0, timeout=30.0)
         tokens, final = await _generate(rut, kill_after=1, victim=a)
         # SIGKILL is delivered asynchronously: a large process may still be exiting.
         a.popen.wait(10)
