@@ -26,12 +26,11 @@ from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import errors
-from services.common.channels import create_channel
+from services.common.channels import broken_link, create_channel
 from services.common.settings import TlsSettings
 
 # A peer that vanished mid-call shows up as one of these.
 _TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
-_TRANSPORT_HINTS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY")
 
 ROUTER_FIELD_PREFIXES = ("request.",)
 """The router's GenerateRequest wraps the public request's fields in ``request``."""
@@ -42,7 +41,7 @@ def is_transport_failure(err: grpc.aio.AioRpcError) -> bool:
     if code in _TRANSPORT_CODES:
         return True
     details = err.details() or ""
-    return code is grpc.StatusCode.INTERNAL and any(h in details for h in _TRANSPORT_HINTS)
+    return code is grpc.StatusCode.INTERNAL and broken_link(details)
 
 
 def domain_error(err: grpc.aio.AioRpcError, *, tier: str, strip: Sequence[str] = ()) -> errors.LlmeshError:

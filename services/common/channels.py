@@ -111,3 +111,13 @@ def downstream_timeout(context: grpc.aio.ServicerContext, cap: float | None = No
         return cap
     remaining = max(0.0, remaining)
     return min(remaining, cap) if cap is not None else remaining
+
+
+BROKEN_LINK_HINTS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY",
+                     "Failed to connect")
+"""How grpc words a connection that broke under a call (its code may be INTERNAL or UNKNOWN)."""
+
+
+def broken_link(details: str) -> bool:
+    """Whether a failed call's details say the connection broke, not the peer's handler."""
+    return any(hint in details for hint in BROKEN_LINK_HINTS)

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.channels import create_channel
+from services.common.channels import broken_link, create_channel
 from services.common.errors import LlmeshError, error_from_rpc, request_error_from_proto
 from services.common.settings import TlsSettings
 from services.router.registry import Load, WorkerInfo
@@ -33,9 +33,6 @@ _REJECTED = {
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.ALREADY_EXISTS,
 }
-# grpc reports a connection broken mid-call as INTERNAL or UNKNOWN with one of these.
-_BROKEN_LINK_HINTS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY",
-                      "Failed to connect")
 
 
 def classify(code: grpc.StatusCode, message: str, error: LlmeshError | None = None) -> WorkerCallError:
@@ -46,7 +43,7 @@ def classify(code: grpc.StatusCode, message: str, error: LlmeshError | None = No
         return WorkerCallError("deadline", code.name, message)
     if code in _REJECTED:
         return WorkerCallError("rejected", code.name, message, error)
-    if code in _TRANSPORT or any(hint in message for hint in _BROKEN_LINK_HINTS):
+    if code in _TRANSPORT or broken_link(message):
         return WorkerCallError("transport", code.name, message)
     # INTERNAL / UNKNOWN from a worker that answered: this request failed there.
     return WorkerCallError("failed", code.name, message)

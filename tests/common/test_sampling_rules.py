@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from gateway.types import Sampling as Values  # the public sampling type: None means unset
 from services.common import sampling_rules
 from services.common.sampling_rules import sampling_violations
 
@@ -20,22 +21,6 @@ vllm = pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMClientError  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class Values:
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: int | None = None
-
 
 CASES: dict[str, list[Any]] = {
     "temperature": [0.0, 0.005, 0.7, 1.0, 2.0, 2.0001, 5.0, 100.0, -0.1, math.nan, math.inf],
@@ -52,7 +37,7 @@ CASES: dict[str, list[Any]] = {
 
 
 def vllm_accepts(values: Values) -> bool:
-    kwargs = {k: v for k, v in dataclasses.asdict(values).items() if v is not None}
+    kwargs = {k: v for k, v in dataclasses.asdict(values).items() if v is not None and v != []}
     try:
         SamplingParams(detokenize=False, **kwargs)
     except (VLLMClientError, ValueError):
