@@ -11,6 +11,9 @@ cores and both figures would be wrong):
 3. overhead: a fake-engine mesh; sequential requests straight to the worker, to the
    router and through the gateway (gRPC and HTTP) give the per-request cost of the tiers.
 4. batching: the router's batching window on vs off, on fake-engine meshes.
+5. capacity (``--capacity`` alone, or ``--with-capacity`` before the others): the whole mesh
+   over the step-based fake engine at accelerator rates, CPU microseconds per output token
+   of every tier.
 
 The load is closed-loop and seeded: per level, a fixed list of requests (prompt and
 output lengths drawn from ``--seed``) is sent over N concurrent streams, each stream
@@ -91,6 +94,8 @@ class BenchOptions:
     stream_interval: int = 1
     stream_max_delay_ms: int = 0
     gateway_processes: int = 1
+    worker_transport: str = "calls"
+    """The router's worker_transport in every mesh the bench starts (calls or session)."""
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -153,11 +158,18 @@ def _started_mesh(config: Any, log_dir: Path) -> Iterator[Any]:
         mesh.stop()
 
 
+def _router_settings(opts: BenchOptions, batch_max_wait_ms: float | None) -> dict[str, Any]:
+    settings: dict[str, Any] = {"worker_transport": opts.worker_transport}
+    if batch_max_wait_ms is not None:
+        settings["batch_max_wait_ms"] = batch_max_wait_ms
+    return settings
+
+
 def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None = None) -> Any:
     from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
     from llmesh.procs import free_port
 
-    router_settings = {} if batch_max_wait_ms is None else {"batch_max_wait_ms": batch_max_wait_ms}
+    router_settings = _router_settings(opts, batch_max_wait_ms)
     return MeshConfig(
         model=str(opts.model_dir),
         served_model_name=opts.model_name,
@@ -308,7 +320,7 @@ def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wa
     from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
     from llmesh.procs import free_port
 
-    router_settings = {} if batch_max_wait_ms is None else {"batch_max_wait_ms": batch_max_wait_ms}
+    router_settings = _router_settings(opts, batch_max_wait_ms)
     gateway_settings: dict[str, Any] = {"drain_seconds": 0}
     if stream_interval != 1:
         gateway_settings["stream_interval"] = stream_interval
@@ -570,6 +582,7 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
         "tokens_per_request": opts.capacity_tokens,
         "stream_interval": opts.stream_interval,
         "gateway_processes": opts.gateway_processes,
+        "worker_transport": opts.worker_transport,
         "stream_max_delay_ms": opts.stream_max_delay_ms or "gateway default",
         "deltas_per_request": round(deltas / len(ok), 1) if ok else None,
         "tokens_per_delta": round(tokens / deltas, 2) if deltas else None,
@@ -667,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("capacity phase (the serving layer's own CPU cost)")
     c.add_argument("--capacity", action="store_true",
                    help="run only the capacity phase: the whole mesh over the step-based fake engine")
+    c.add_argument("--with-capacity", action="store_true",
+                   help="add the capacity phase to the other phases (one run: fake-engine capacity and "
+                   "the real engine against vllm serve)")
     c.add_argument("--capacity-streams", type=int, default=128, help="concurrent GenerateStream calls")
     c.add_argument("--capacity-tokens", type=int, default=256, help="output tokens per request")
     c.add_argument("--capacity-step-ms", type=float, default=2.0,
@@ -681,6 +697,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "load is spread over several connections when > 1")
     c.add_argument("--stream-max-delay-ms", type=int, default=0,
                    help="the gateway's stream_max_delay_ms in the capacity mesh (0 = the gateway's default)")
+    e.add_argument("--worker-transport", choices=("calls", "session"), default="calls",
+                   help="the router's worker_transport in every mesh the bench starts")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")
@@ -723,6 +741,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         stream_interval=args.stream_interval,
         stream_max_delay_ms=args.stream_max_delay_ms,
         gateway_processes=args.gateway_processes,
+        worker_transport=args.worker_transport,
     )
 
 
@@ -752,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": {"max_num_seqs": opts.max_num_seqs, "max_model_len": opts.max_model_len,
                        "kvcache_gb": opts.kvcache_gb, "enforce_eager": True,
                        "omp_threads_bind": opts.omp_bind},
+            "worker_transport": opts.worker_transport,
             "workload": {"prompt_words": list(opts.workload.prompt_words),
                          "output_tokens": list(opts.workload.output_tokens),
                          "requests_per_level": {str(c): opts.requests_for(c) for c in opts.levels},
@@ -760,8 +780,9 @@ def main(argv: list[str] | None = None) -> int:
         "systems": {},
     }
     try:
-        if args.capacity:
+        if args.capacity or args.with_capacity:
             report["capacity"] = run_capacity(opts)
+        if args.capacity:
             args.skip_llmesh = args.skip_reference = args.skip_overhead = args.skip_batching = True
         if not args.skip_llmesh:
             report["systems"]["llmesh"] = run_llmesh(opts, args)

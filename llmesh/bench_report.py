@@ -220,7 +220,8 @@ def text_summary(report: Mapping[str, Any]) -> str:
             parts.append(f"- added {key}: {_fmt(value, 2)} ms")
     capacity = report.get("capacity")
     if capacity:
-        parts += ["", f"Capacity, {capacity['engine']} engine, {capacity['streams']} streams x "
+        parts += ["", f"Capacity, {capacity['engine']} engine, worker transport "
+                  f"{capacity.get('worker_transport', 'calls')}, {capacity['streams']} streams x "
                   f"{capacity['tokens_per_request']} tokens: {_fmt(capacity['output_tokens_per_s'])} tok/s "
                   f"to the client, {capacity['errors']} errors", "",
                   "| tier | CPU us per output token |", "| --- | ---: |"]

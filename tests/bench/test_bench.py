@@ -224,3 +224,23 @@ def test_capacity_phase_reports_cpu_per_token_of_every_tier(tiny_deepseek_dir: P
     assert per_token["total"] == pytest.approx(sum(v for k, v in per_token.items() if k != "total"), abs=1)
     out = capsys.readouterr().out
     assert "| tier | CPU us per output token |" in out and "| gateway |" in out
+
+
+def test_with_capacity_adds_the_phase_and_worker_transport_reaches_the_router(
+    tiny_deepseek_dir: Path, tmp_path: Path
+) -> None:
+    """``--with-capacity`` runs the capacity phase beside the others (here all skipped), and
+    ``--worker-transport session`` is the router's transport in the meshes the bench starts."""
+    argv = ["--with-capacity", "--skip-llmesh", "--skip-reference", "--skip-overhead", "--skip-batching",
+            "--worker-transport", "session", "--model", str(tiny_deepseek_dir), "--capacity-streams", "6",
+            "--capacity-tokens", "16", "--capacity-step-ms", "1", "--out", str(tmp_path / "out"),
+            "--no-progress"]
+    assert bench.main(argv) == 0
+    report = _report(tmp_path)
+    assert report["meta"]["worker_transport"] == "session" and report["systems"] == {}
+    capacity = report["capacity"]
+    assert capacity["worker_transport"] == "session"
+    assert capacity["errors"] == 0 and capacity["output_tokens"] == 6 * 16, capacity["error_samples"]
+    config = bench._fake_mesh_config(bench.options_from_args(bench.build_parser().parse_args(argv)),
+                                     token_delay_ms=1, batch_max_wait_ms=None)
+    assert config.router.settings["worker_transport"] == "session"
