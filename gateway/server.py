@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
+from gateway.postsession import SessionPostprocessorTier
+from gateway.routersession import SessionRouterTier
 from gateway.servicer import AuthGate, InferenceServicer
 from gateway.settings import GatewaySettings
 from gateway.tenants import TenantRegistry, load_tenants
@@ -22,12 +24,15 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
+PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier
+"""The postprocessor tier of either transport (settings.postprocessor_transport)."""
+
 
 @dataclass
 class Gateway:
     handle: ServerHandle
     core: GatewayCore
-    tiers: tuple[GrpcTokenizerTier, GrpcRouterTier, GrpcPostprocessorTier]
+    tiers: tuple[GrpcTokenizerTier, GrpcRouterTier, PostprocessorTiers]
     audit: AuditLog
 
     @property
@@ -41,11 +46,16 @@ class Gateway:
 
 
 def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokenizerTier, GrpcRouterTier,
-                                                                      GrpcPostprocessorTier], AuditLog]:
+                                                                      PostprocessorTiers], AuditLog]:
     tls = settings.client_tls
     tokenizer = GrpcTokenizerTier(settings.tokenizer_targets, tls)
-    router = GrpcRouterTier(settings.router_targets, tls)
-    post = GrpcPostprocessorTier(settings.postprocessor_targets, tls)
+    router_tier = SessionRouterTier if settings.router_transport == "session" else GrpcRouterTier
+    router = router_tier(settings.router_targets, tls)
+    post: PostprocessorTiers
+    if settings.postprocessor_transport == "session":
+        post = SessionPostprocessorTier(settings.postprocessor_targets, tls)
+    else:
+        post = GrpcPostprocessorTier(settings.postprocessor_targets, tls)
     tenants = load_tenants(settings.tenants_file) if settings.tenants_file else []
     audit = AuditLog(settings.audit_log or None)
     core = GatewayCore(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -23,8 +25,20 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     """Tokenizer tier replicas (host:port, or dns:///name:port)."""
     router_targets: list[str] = ["127.0.0.1:50071"]
     """Router replicas; a stream whose router dies is resumed through the next one."""
+    router_transport: Literal["calls", "session"] = "session"
+    """How requests reach the routers: ``session`` (one long-lived Session per router
+    replica carrying every request: submissions of one moment share a message, and the
+    router answers with one frame per step for all of them; a broken session resumes its
+    requests elsewhere) or ``calls`` (one Generate call per request, one message per token:
+    for routers older than the Session RPC)."""
     postprocessor_targets: list[str] = ["127.0.0.1:50062"]
     """Postprocessor replicas; a stream whose postprocessor dies is replayed into the next one."""
+    postprocessor_transport: Literal["calls", "session"] = "session"
+    """How requests reach the postprocessors: ``session`` (one long-lived Session per
+    postprocessor replica carrying every request: what the requests send in one moment
+    shares a message, answered by one frame of text for all of them; a broken session
+    replays its requests into another replica) or ``calls`` (one Process stream per
+    request: for postprocessors older than the Session RPC)."""
     default_model: str = ""
     """Model used when a request leaves ``model`` empty; empty means the tokenizer tier's default."""
     tenants_file: str = ""

@@ -39,7 +39,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,13 @@ from llmesh.bench_report import plot, ratios, text_summary, write_json
 DEFAULT_LEVELS = (1, 8, 32)
 QUICK_REQUESTS_PER_STREAM = 2
 QUICK_MIN_REQUESTS = 8
+
+
+def router_worker_transport() -> str:
+    """The router's default worker_transport: the bench measures what a mesh runs unless told."""
+    from services.router.settings import RouterSettings
+
+    return str(RouterSettings.model_fields["worker_transport"].default)
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,9 @@ class BenchOptions:
     stream_interval: int = 1
     stream_max_delay_ms: int = 0
     gateway_processes: int = 1
-    worker_transport: str = "calls"
-    """The router's worker_transport in every mesh the bench starts (calls or session)."""
+    worker_transport: str = field(default_factory=router_worker_transport)
+    """The router's worker_transport in every mesh the bench starts (session or calls);
+    the router's own default unless set."""
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -200,7 +208,7 @@ def run_llmesh(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
     if args.target or args.target_http:
         state = _read_state(args.mesh_state)
         http_url = args.target_http or (state or {}).get("http", "")
-        cpu = CpuMeter(_mesh_cpu_groups(state["processes"])) if state else None
+        cpu = CpuMeter(_mesh_cpu_groups(state["processes"]), engine_groups=("worker",)) if state else None
         if cpu is None:
             print("llmesh bench: no mesh state file, so no CPU figures for llmesh", file=sys.stderr)
         driver = _llmesh_driver(opts, args.target or "", http_url)
@@ -210,7 +218,7 @@ def run_llmesh(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
     print("llmesh bench: starting the llmesh mesh", file=sys.stderr)
     with _started_mesh(config, opts.log_dir / "llmesh") as mesh:
         state = mesh.state()
-        cpu = CpuMeter(_mesh_cpu_groups(state["processes"]))
+        cpu = CpuMeter(_mesh_cpu_groups(state["processes"]), engine_groups=("worker",))
         grpc_target = f"{config.gateway.host}:{config.gateway.port}"
         driver = _llmesh_driver(opts, grpc_target, state["http"])
         levels = asyncio.run(_drive_levels(opts, "llmesh", driver, cpu, opts.levels))
@@ -298,13 +306,14 @@ def _stop_group(popen: subprocess.Popen[bytes]) -> None:
 def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
     label = "vllm serve"
     if args.reference_url:
-        cpu = CpuMeter({"vllm": [args.reference_pid]}) if args.reference_pid else None
+        cpu = (CpuMeter({"vllm": [args.reference_pid]}, engine_groups=("vllm",))
+               if args.reference_pid else None)
         driver = OpenAIHttpDriver(args.reference_url, opts.model_name)
         levels = asyncio.run(_drive_levels(opts, "reference", driver, cpu, opts.levels))
         return _system(label, levels, target=args.reference_url, started_by_bench=False)
     print("llmesh bench: starting the reference vllm server", file=sys.stderr)
     with _started_reference(opts) as (url, pid):
-        cpu = CpuMeter({"vllm": [pid]})
+        cpu = CpuMeter({"vllm": [pid]}, engine_groups=("vllm",))
         levels = asyncio.run(_drive_levels(opts, "reference", OpenAIHttpDriver(url, opts.model_name),
                                            cpu, opts.levels))
     return _system(label, levels, target="vllm.entrypoints.openai.api_server", started_by_bench=True,
@@ -697,8 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "load is spread over several connections when > 1")
     c.add_argument("--stream-max-delay-ms", type=int, default=0,
                    help="the gateway's stream_max_delay_ms in the capacity mesh (0 = the gateway's default)")
-    e.add_argument("--worker-transport", choices=("calls", "session"), default="calls",
-                   help="the router's worker_transport in every mesh the bench starts")
+    e.add_argument("--worker-transport", choices=("session", "calls"), default=router_worker_transport(),
+                   help="the router's worker_transport in every mesh the bench starts "
+                   "(default: the router's default, %(default)s)")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")

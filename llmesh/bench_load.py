@@ -16,9 +16,9 @@ import json
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 import psutil
@@ -226,39 +226,74 @@ class LlmeshGrpcDriver:
 # --------------------------------------------------------------------------- CPU
 
 
-class CpuMeter:
-    """CPU seconds (user + system) of groups of process trees, e.g. one group per tier."""
+class CpuSample(NamedTuple):
+    """Cumulative CPU seconds at one moment: whole trees, and the engine processes in them."""
 
-    def __init__(self, groups: Mapping[str, Sequence[int]]) -> None:
+    trees: dict[str, float]
+    """Per group: every process of its trees (the processes and all their children)."""
+    engines: dict[str, float]
+    """Per engine group: the children only (vLLM's engine core), not the serving process."""
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of groups of process trees, e.g. one group per tier.
+
+    ``engine_groups`` name the groups whose children are inference engines (the worker's
+    and ``vllm serve``'s engine core): their children are also counted apart, so a
+    comparison can leave the engine out on both sides and compare serving code only.
+    """
+
+    def __init__(self, groups: Mapping[str, Sequence[int]], engine_groups: Collection[str] = ()) -> None:
         self.groups = {name: list(pids) for name, pids in groups.items()}
+        self.engine_groups = set(engine_groups) & set(self.groups)
         self._procs: dict[int, psutil.Process] = {}
 
-    def _tree(self, pid: int) -> list[psutil.Process]:
+    def _root(self, pid: int) -> psutil.Process | None:
         try:
             root = self._procs.get(pid) or psutil.Process(pid)
-            self._procs[pid] = root
-            return [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return []
-
-    def sample(self) -> dict[str, float]:
-        """Cumulative CPU seconds per group (and of children alive now)."""
-        out: dict[str, float] = {}
-        for name, pids in self.groups.items():
-            total = 0.0
-            for pid in pids:
-                for proc in self._tree(pid):
-                    try:
-                        t = proc.cpu_times()
-                    except psutil.NoSuchProcess:
-                        continue
-                    total += t.user + t.system
-            out[name] = total
-        return out
+            return None
+        self._procs[pid] = root
+        return root
 
     @staticmethod
-    def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-        return {name: max(0.0, after.get(name, 0.0) - before.get(name, 0.0)) for name in before}
+    def _cpu(procs: Sequence[psutil.Process]) -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        return total
+
+    def sample(self) -> CpuSample:
+        """Cumulative CPU seconds per group (and of children alive now)."""
+        trees: dict[str, float] = {}
+        engines: dict[str, float] = {}
+        for name, pids in self.groups.items():
+            own = children = 0.0
+            for pid in pids:
+                root = self._root(pid)
+                if root is None:
+                    continue
+                try:
+                    kids = root.children(recursive=True)
+                except psutil.NoSuchProcess:
+                    kids = []
+                own += self._cpu([root])
+                children += self._cpu(kids)
+            trees[name] = own + children
+            if name in self.engine_groups:
+                engines[name] = children
+        return CpuSample(trees, engines)
+
+    @staticmethod
+    def delta(before: CpuSample, after: CpuSample) -> CpuSample:
+        def minus(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
+            return {name: max(0.0, a.get(name, 0.0) - b.get(name, 0.0)) for name in b}
+
+        return CpuSample(minus(after.trees, before.trees), minus(after.engines, before.engines))
 
 
 # --------------------------------------------------------------------------- stats
@@ -295,6 +330,8 @@ class LevelResult:
     results: list[RequestResult]
     duration_s: float
     cpu_s: dict[str, float] = field(default_factory=dict)
+    engine_cpu_s: dict[str, float] = field(default_factory=dict)
+    """The part of ``cpu_s`` spent by engine processes (children of engine groups)."""
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.results if r.ok]
@@ -320,6 +357,19 @@ class LevelResult:
             "latency_ms": _ms([r.latency_s for r in ok]),
             "cpu_s": {tier: _round(v, 3) for tier, v in self.cpu_s.items()},
             "cpu_s_per_1k_tokens": per_1k,
+            **self._serving_cpu(tokens),
+        }
+
+    def _serving_cpu(self, tokens: int) -> dict[str, Any]:
+        """CPU per output token without the engine processes: what the serving code costs."""
+        if not self.engine_cpu_s:
+            return {}
+        serving = {tier: max(0.0, cpu - self.engine_cpu_s.get(tier, 0.0)) for tier, cpu in self.cpu_s.items()}
+        us = {tier: _round(cpu / tokens * 1e6, 1) if tokens else math.nan for tier, cpu in serving.items()}
+        us["total"] = _round(sum(serving.values()) / tokens * 1e6, 1) if tokens else math.nan
+        return {
+            "engine_cpu_s": {tier: _round(v, 3) for tier, v in self.engine_cpu_s.items()},
+            "serving_cpu_us_per_token": us,
         }
 
 
@@ -357,11 +407,12 @@ async def run_level(
             if on_result is not None:
                 on_result(res)
 
-    before = cpu.sample() if cpu else {}
+    before = cpu.sample() if cpu else None
     start = time.perf_counter()
     await asyncio.gather(*(stream_loop() for _ in range(min(concurrency, len(requests)) or 1)))
     duration = time.perf_counter() - start
-    after = cpu.sample() if cpu else {}
+    after = cpu.sample() if cpu else None
     done = [r if r is not None else RequestResult(error="not sent") for r in results]
+    used = CpuMeter.delta(before, after) if before is not None and after is not None else CpuSample({}, {})
     return LevelResult(concurrency=concurrency, results=done, duration_s=duration,
-                       cpu_s=CpuMeter.delta(before, after) if cpu else {})
+                       cpu_s=used.trees, engine_cpu_s=used.engines)

@@ -225,13 +225,27 @@ def request_error_to_proto(exc: BaseException) -> common_pb2.RequestError:
         out.field_violations.extend(
             common_pb2.FieldViolation(field=v.field, description=v.description) for v in exc.violations
         )
+    elif isinstance(exc, ResourceExhausted):
+        out.retry_after_s = exc.retry_after_s
     return out
 
 
-def request_error_from_proto(proto: common_pb2.RequestError) -> tuple[grpc.StatusCode, LlmeshError]:
-    """The status code and llmesh error of one failed request of a multi-request call."""
+def request_error_from_proto(
+    proto: common_pb2.RequestError, *, field_prefixes: tuple[str, ...] = ()
+) -> tuple[grpc.StatusCode, LlmeshError]:
+    """The status code and llmesh error of one failed request of a multi-request call
+    (``field_prefixes`` are stripped from violation paths as in :func:`error_from_status`)."""
     code = _CODE_BY_NUMBER.get(proto.code, grpc.StatusCode.UNKNOWN)
-    violations = [FieldViolation(v.field, v.description) for v in proto.field_violations]
+
+    def public(path: str) -> str:
+        for prefix in field_prefixes:
+            if path.startswith(prefix):
+                return path[len(prefix):]
+        return path
+
+    violations = [FieldViolation(public(v.field), v.description) for v in proto.field_violations]
     if code is grpc.StatusCode.INVALID_ARGUMENT and violations:
         return code, InvalidArgument.many(violations)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and proto.retry_after_s > 0:
+        return code, ResourceExhausted(proto.message or code.name, retry_after_s=proto.retry_after_s)
     return code, error_from_status(code, proto.message or code.name)

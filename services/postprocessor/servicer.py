@@ -1,4 +1,5 @@
-"""PostprocessService servicer: one bidirectional stream per request.
+"""PostprocessService servicer: one bidirectional stream per request (``Process``), or
+many requests multiplexed over one long-lived stream (``Session``).
 
 Protocol (see postprocess.proto): a ProcessConfig first, then ProcessTokens deltas, then
 ProcessEnd. Text deltas go back as they become safe, then exactly one ProcessFinal. A
@@ -20,6 +21,7 @@ from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common.errors import InvalidArgument
 from services.postprocessor import convert, metrics
 from services.postprocessor.core import PostprocessCore, PostprocessSession, Step
+from services.postprocessor.session import PostprocessMux
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,22 @@ class PostprocessServicer(postprocess_pb2_grpc.PostprocessServiceServicer):
             # Bad input: let the caller finish writing, so it sees this status (above).
             await self._drain(request_iterator, self.error_drain_seconds)
             raise
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[postprocess_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[postprocess_pb2.SessionResponse]:
+        """Many requests over one stream: each message is answered by at most one frame
+        (services/postprocessor/session.py); failures are per request, never the call's."""
+        mux = PostprocessMux(self.core)
+        try:
+            async for message in request_iterator:
+                frame = await mux.step(convert.session_input_from_proto(message))
+                if frame:
+                    yield convert.frame_to_proto(frame)
+        finally:
+            mux.close()
 
     async def _process(
         self, request_iterator: AsyncIterator[postprocess_pb2.ProcessRequest]

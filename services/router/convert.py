@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from llmesh.router.v1 import router_pb2
+from services.common.errors import InvalidArgument, LlmeshError, request_error_to_proto
 from services.router.breaker import Circuit
 from services.router.core import Delta, Final, RouteRequest
 from services.router.registry import WorkerState
 from services.router.routing import ZoneLadder
+from services.router.session import Frame, Submission
 
 CIRCUIT_PROTO = {
     Circuit.CLOSED: router_pb2.CIRCUIT_STATE_CLOSED,
@@ -27,17 +29,49 @@ def route_request_from_proto(message: router_pb2.GenerateRequest) -> RouteReques
 def response_to_proto(event: Delta | Final) -> router_pb2.GenerateResponse:
     if isinstance(event, Delta):
         return router_pb2.GenerateResponse(delta=event.delta)
+    return router_pb2.GenerateResponse(final=final_to_proto(event))
+
+
+def final_to_proto(event: Final) -> router_pb2.RouterFinal:
     served = event.served_by
-    return router_pb2.GenerateResponse(
-        final=router_pb2.RouterFinal(
-            final=event.final,
-            served_by=router_pb2.ServedBy(
-                worker_id=served.worker_id, zone=served.zone, device=served.device,
-                degraded=served.degraded, resumed=served.resumed,
-            ),
-            retries=event.retries,
-        )
+    return router_pb2.RouterFinal(
+        final=event.final,
+        served_by=router_pb2.ServedBy(
+            worker_id=served.worker_id, zone=served.zone, device=served.device,
+            degraded=served.degraded, resumed=served.resumed,
+        ),
+        retries=event.retries,
     )
+
+
+def submission_from_proto(sub: router_pb2.SessionSubmit) -> Submission:
+    """One submission of a Session; a missing request is that request's own error, named
+    as Generate names it (field paths relative to the GenerateRequest)."""
+    request: RouteRequest | LlmeshError
+    if not sub.HasField("request") or not sub.request.HasField("request"):
+        request = InvalidArgument("request", "is required")
+    else:
+        request = route_request_from_proto(sub.request)
+    return Submission(
+        handle=sub.handle, request=request, timeout_s=sub.timeout_s if sub.timeout_s > 0 else None,
+        trace_context={"traceparent": sub.traceparent} if sub.traceparent else {},
+    )
+
+
+def frame_to_proto(frame: Frame) -> router_pb2.SessionResponse:
+    """One frame in column layout: handles, token counts and the token ids back to back."""
+    out = router_pb2.SessionResponse()
+    for handle, tokens in frame.tokens.items():
+        out.handles.append(handle)
+        out.token_counts.append(len(tokens.token_ids))
+        out.token_ids.extend(tokens.token_ids)
+        if tokens.logprobs:
+            out.logprobs.append(router_pb2.SessionLogprobs(handle=handle, logprobs=tokens.logprobs))
+    for handle, final in frame.finals:
+        out.finals.append(router_pb2.SessionFinal(handle=handle, final=final_to_proto(final)))
+    for handle, error in frame.errors:
+        out.errors.append(router_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
+    return out
 
 
 def worker_status_to_proto(worker: WorkerState, ladder: ZoneLadder) -> router_pb2.WorkerStatus:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,6 +12,7 @@ from services.common.channels import downstream_timeout
 from services.common.errors import InvalidArgument
 from services.router import convert
 from services.router.core import Router
+from services.router.session import RouterSession
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -27,6 +29,27 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # worker request in its finally blocks.
         async for event in self.router.generate(route, downstream_timeout(context)):
             yield convert.response_to_proto(event)
+
+    async def Session(
+        self, request_iterator: AsyncIterator[router_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.SessionResponse]:
+        session = RouterSession(self.router)
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for sub in message.submit:  # submissions first: a message may abort its own
+                    session.submit(convert.submission_from_proto(sub))
+                for handle in message.abort:
+                    session.abort(handle)
+
+        reader = asyncio.ensure_future(read())
+        reader.add_done_callback(lambda _t: session.input_done())
+        try:
+            async for frame in session.frames():
+                yield convert.frame_to_proto(frame)
+        finally:
+            reader.cancel()
+            await session.close()  # the caller went away: abort what still runs
 
     async def Abort(
         self, request: router_pb2.AbortRequest, context: grpc.aio.ServicerContext

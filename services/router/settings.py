@@ -83,11 +83,11 @@ class RouterSettings(ServerSettings):
     """Consecutive failed load polls after which a worker stops receiving traffic."""
     unreachable_failover_polls: int = 2
     """Consecutive missed load polls after which requests running on a worker resume elsewhere."""
-    worker_transport: Literal["calls", "session"] = "calls"
-    """How requests reach workers: ``calls`` (a Generate or GenerateBatch call per batching
-    window, one message per token per request) or ``session`` (one long-lived Session per
-    worker: the window's submissions share one message and the worker answers with one
-    frame per engine step for every request)."""
+    worker_transport: Literal["calls", "session"] = "session"
+    """How requests reach workers: ``session`` (one long-lived Session per worker: the
+    window's submissions share one message and the worker answers with one frame per engine
+    step for every request) or ``calls`` (a Generate or GenerateBatch call per batching
+    window, one message per token per request; for workers that do not implement Session)."""
     breaker_failures: int = Field(default=3, ge=2)
     """Consecutive transport failures of requests that open the circuit of a worker that
     still answers its health watch and load polls (at least 2: one failure of an answering

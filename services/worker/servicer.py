@@ -14,7 +14,7 @@ from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.worker import convert
 from services.worker.core import Failed, Final, WorkerCore
 from services.worker.engine import EngineRequest
-from services.worker.session import WorkerSession
+from services.worker.session import WorkerSession, annotate_final
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -43,7 +43,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async with contextlib.aclosing(self.core.generate(req)) as events:
             async for event in events:
                 if isinstance(event, Final):
-                    _annotate(trace.get_current_span(), event)
+                    annotate_final(trace.get_current_span(), event)
                 yield convert.generate_response(req.request_id, event)
 
     async def GenerateBatch(
@@ -117,15 +117,3 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetModelInfoResponse:
         return convert.model_info_to_proto(self.core.identity, self.core.info)
-
-
-def _annotate(span: trace.Span, final: Final) -> None:
-    """The engine's account of one request, on the server span of Generate."""
-    if not span.is_recording():
-        return
-    span.set_attribute("llmesh.worker.finish_reason", final.finish_reason.value)
-    span.set_attribute("llmesh.worker.prompt_tokens", final.prompt_tokens)
-    span.set_attribute("llmesh.worker.completion_tokens", final.completion_tokens)
-    span.set_attribute("llmesh.worker.cached_tokens", final.cached_tokens)
-    span.set_attribute("llmesh.worker.queue_ms", final.queue_ms)
-    span.set_attribute("llmesh.worker.ttft_ms", final.ttft_ms)

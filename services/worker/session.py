@@ -33,6 +33,19 @@ from services.worker.engine import EngineRequest, TokenLogprob
 log = logging.getLogger(__name__)
 
 
+def annotate_final(span: trace.Span, final: Final) -> None:
+    """The engine's account of one request, on its worker span (Generate's server span,
+    or the request's span in a session)."""
+    if not span.is_recording():
+        return
+    span.set_attribute("llmesh.worker.finish_reason", final.finish_reason.value)
+    span.set_attribute("llmesh.worker.prompt_tokens", final.prompt_tokens)
+    span.set_attribute("llmesh.worker.completion_tokens", final.completion_tokens)
+    span.set_attribute("llmesh.worker.cached_tokens", final.cached_tokens)
+    span.set_attribute("llmesh.worker.queue_ms", final.queue_ms)
+    span.set_attribute("llmesh.worker.ttft_ms", final.ttft_ms)
+
+
 @dataclass(frozen=True)
 class Submission:
     """One request submitted to a session."""
@@ -147,13 +160,14 @@ class WorkerSession:
             with tracer().start_as_current_span(
                 "llmesh.worker/Session.generate", context=parent, kind=trace.SpanKind.SERVER,
                 attributes={"llmesh.request_id": request.request_id},
-            ):
+            ) as span:
                 async with asyncio.timeout(submission.timeout_s):
                     async with contextlib.aclosing(self.core.generate(request, validated=True)) as events:
                         async for event in events:
                             if isinstance(event, Delta):
                                 self._frame.tokens.append((handle, event.token_ids, event.logprobs))
                             else:
+                                annotate_final(span, event)
                                 self._frame.finals.append((handle, event))
                             self._schedule()
         except TimeoutError:

@@ -21,12 +21,13 @@ from llmesh.bench_report import RATIO_FIGURES, ratio, ratios
 from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
 from llmesh.procs import free_port
 from llmesh.up import Mesh
+from services.router.settings import RouterSettings
 from tests.bench.stub_openai import StubOpenAI
 
 TIERS = {"gateway", "router", "worker", "tokenizer", "postprocessor"}
 LEVEL_KEYS = {"concurrency", "requests", "completed", "errors", "error_samples", "duration_s",
               "output_tokens", "output_tokens_per_s", "requests_per_s", "ttft_ms", "itl_ms", "tpot_ms",
-              "latency_ms", "cpu_s", "cpu_s_per_1k_tokens"}
+              "latency_ms", "cpu_s", "cpu_s_per_1k_tokens", "engine_cpu_s", "serving_cpu_us_per_token"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -80,6 +81,9 @@ def _check_level(level: dict[str, Any], concurrency: int, tiers: set[str]) -> No
         assert level[fig]["p50"] is not None and level[fig]["p50"] <= level[fig]["p99"]
     assert level["ttft_ms"]["p99"] <= level["latency_ms"]["p99"]
     assert set(level["cpu_s_per_1k_tokens"]) == tiers | {"total"}
+    # The worker's and vllm serve's children are engine processes, reported apart.
+    assert set(level["engine_cpu_s"]) == tiers & {"worker", "vllm"}
+    assert set(level["serving_cpu_us_per_token"]) == tiers | {"total"}
     # A short level can fall inside one CPU clock tick: only the sum over levels must move.
     assert level["cpu_s_per_1k_tokens"]["total"] >= 0
 
@@ -188,6 +192,37 @@ def test_workload_is_seeded() -> None:
     assert len({r.prompt for r in a}) == 20
 
 
+def test_cpu_meter_counts_engine_children_apart() -> None:
+    """A serving process whose child burns CPU: the child's time is the engine's, not the
+    serving process's (the comparison with vllm serve leaves engine processes out)."""
+    import subprocess
+    import sys
+    import time
+
+    from llmesh.bench_load import CpuMeter
+
+    child = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass\n"
+             "time.sleep(30)")
+    parent = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        meter = CpuMeter({"vllm": [proc.pid]}, engine_groups=("vllm",))
+        deadline = time.monotonic() + 20
+        while not meter._root(proc.pid).children() and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        before = meter.sample()
+        time.sleep(1.5)  # the child burns its 0.6 s
+        used = CpuMeter.delta(before, meter.sample())
+        assert used.engines["vllm"] >= 0.4
+        assert used.trees["vllm"] - used.engines["vllm"] < 0.2
+    finally:
+        for kid in meter._root(proc.pid).children(recursive=True):  # type: ignore[union-attr]
+            kid.kill()
+        proc.kill()
+        proc.wait()
+
+
 def test_percentile_and_ratio() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
@@ -230,17 +265,20 @@ def test_with_capacity_adds_the_phase_and_worker_transport_reaches_the_router(
     tiny_deepseek_dir: Path, tmp_path: Path
 ) -> None:
     """``--with-capacity`` runs the capacity phase beside the others (here all skipped), and
-    ``--worker-transport session`` is the router's transport in the meshes the bench starts."""
+    ``--worker-transport calls`` is the router's transport in the meshes the bench starts
+    (without the flag the bench takes the router's default, session)."""
     argv = ["--with-capacity", "--skip-llmesh", "--skip-reference", "--skip-overhead", "--skip-batching",
-            "--worker-transport", "session", "--model", str(tiny_deepseek_dir), "--capacity-streams", "6",
+            "--worker-transport", "calls", "--model", str(tiny_deepseek_dir), "--capacity-streams", "6",
             "--capacity-tokens", "16", "--capacity-step-ms", "1", "--out", str(tmp_path / "out"),
             "--no-progress"]
     assert bench.main(argv) == 0
     report = _report(tmp_path)
-    assert report["meta"]["worker_transport"] == "session" and report["systems"] == {}
+    assert report["meta"]["worker_transport"] == "calls" and report["systems"] == {}
     capacity = report["capacity"]
-    assert capacity["worker_transport"] == "session"
+    assert capacity["worker_transport"] == "calls"
     assert capacity["errors"] == 0 and capacity["output_tokens"] == 6 * 16, capacity["error_samples"]
     config = bench._fake_mesh_config(bench.options_from_args(bench.build_parser().parse_args(argv)),
                                      token_delay_ms=1, batch_max_wait_ms=None)
-    assert config.router.settings["worker_transport"] == "session"
+    assert config.router.settings["worker_transport"] == "calls"
+    default = bench.options_from_args(bench.build_parser().parse_args([]))
+    assert default.worker_transport == RouterSettings.model_fields["worker_transport"].default == "session"

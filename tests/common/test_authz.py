@@ -50,13 +50,14 @@ SERVICES: dict[str, pb_descriptor.ServiceDescriptor] = {
 # The promise in the issue and the README, written out independently of authz.py:
 # tier -> method -> roles allowed. Everything else is refused.
 EXPECTED: dict[str, dict[str, set[str]]] = {
-    "router": {"Generate": {"gateway"}, "Abort": {"gateway"}, "ListWorkers": {"gateway", "operator"}},
+    "router": {"Generate": {"gateway"}, "Session": {"gateway"}, "Abort": {"gateway"},
+               "ListWorkers": {"gateway", "operator"}},
     "worker": {"Generate": {"router"}, "GenerateBatch": {"router"}, "Session": {"router"},
                "Abort": {"router"}, "GetLoad": {"router", "operator"}, "WatchLoad": {"router", "operator"},
                "GetModelInfo": {"router", "operator"}},
     "tokenizer": {"Encode": {"gateway"}, "EncodeBatch": {"gateway"},
                   "ListModels": {"gateway", "router", "operator"}},
-    "postprocessor": {"Process": {"gateway"}},
+    "postprocessor": {"Process": {"gateway"}, "Session": {"gateway"}},
 }
 
 

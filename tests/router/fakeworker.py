@@ -3,6 +3,11 @@
 The next token is a pure function of the whole sequence so far, so a generation resumed
 elsewhere from prompt + produced tokens equals an undisturbed one.
 
+Generate, GenerateBatch and Session (the router's default transport) run every request
+the same way, and the failure knobs (``fail_before_first``, ``internal_errors``,
+``max_temperature``, ``token_delay_s``) act on each transport as a real worker's failure
+would show on it: a failed call there, that request's error in a batch or session.
+
     python tests/router/fakeworker.py --port P --zone zone-a [--token-delay-ms 20]
 """
 
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -27,9 +33,11 @@ from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import SERVER_KEEPALIVE_OPTIONS
 from services.common.errors import (
+    DeadlineExceeded,
     Internal,
     InvalidArgument,
     LlmeshError,
+    Unavailable,
     map_exception,
     request_error_to_proto,
 )
@@ -55,7 +63,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     token_delay_s: float = 0.005
     max_num_seqs: int = 64
     fail_before_first: int = 0
-    """Fail this many Generate calls with UNAVAILABLE before sending anything."""
+    """Fail this many Generate calls (or Session submissions, as that request's error) with
+    UNAVAILABLE before sending anything."""
     internal_errors: int = 0
     """Fail this many requests with INTERNAL (the worker answered, the request failed)."""
     max_temperature: float = 2.0
@@ -63,9 +72,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     running: dict[str, asyncio.Event] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    """Requests per Generate / GenerateBatch call or per Session message of submissions."""
     batched_ids: list[str] = field(default_factory=list)
-    """Request ids that arrived in a GenerateBatch call of two or more."""
+    """Request ids that arrived in a GenerateBatch call or Session message of two or more."""
     requests: list[common_pb2.TokenRequest] = field(default_factory=list)
+    traceparents: dict[str, str] = field(default_factory=dict)
+    """The traceparent each Session submission carried, by request id."""
+    frames: list[worker_pb2.SessionResponse] = field(default_factory=list)
+    """Every Session frame sent, in order (the column layout under test)."""
 
     async def _run(self, request: common_pb2.TokenRequest) -> AsyncIterator[common_pb2.TokenDelta
                                                                                | common_pb2.TokenFinal]:
@@ -153,11 +167,32 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             for task in tasks:
                 task.cancel()
 
-    async def Abort(self, request, context):  # type: ignore[no-untyped-def]
-        self.aborted.append(request.request_id)
-        stop = self.running.get(request.request_id)
+    async def Session(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        session = FakeSession(self)
+
+        async def read() -> None:
+            async for message in request_iterator:
+                session.receive(message)
+
+        reader = asyncio.ensure_future(read())
+        reader.add_done_callback(lambda _t: session.input_done())
+        try:
+            async for frame in session.frames():
+                self.frames.append(frame)
+                yield frame
+        finally:
+            reader.cancel()
+            await session.close()  # the caller went away: stop what still runs
+
+    def _stop(self, request_id: str) -> None:
+        """Abort a running request: it ends with an ABORT final at its next token."""
+        self.aborted.append(request_id)
+        stop = self.running.get(request_id)
         if stop is not None:
             stop.set()
+
+    async def Abort(self, request, context):  # type: ignore[no-untyped-def]
+        self._stop(request.request_id)
         return worker_pb2.AbortResponse()
 
     async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
@@ -168,6 +203,112 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.GetModelInfoResponse(
             model=self.model, tokenizer_checksum=self.checksum, device="cpu", zone=self.zone,
             worker_id=self.worker_id, pid=os.getpid(), max_context_length=4096, vocab_size=1000)
+
+
+class FakeSession:
+    """One Session of the double, with the semantics of services/worker/session.py: each
+    submission runs on its own; everything the requests produce before the event loop
+    comes round (the requests that woke together, as one engine step wakes them) goes out
+    in one frame; a refusal, failure or passed deadline is that handle's SessionError; an
+    abort by handle ends the request with an ABORT final; ending the session stops every
+    request still running (no final, the stream is gone)."""
+
+    def __init__(self, worker: FakeWorker) -> None:
+        self.worker = worker
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._request_ids: dict[int, str] = {}
+        self._frame = worker_pb2.SessionResponse()
+        self._ready = asyncio.Event()
+        self._flush_scheduled = False
+        self._input_done = False
+
+    def receive(self, message: worker_pb2.SessionRequest) -> None:
+        if message.submit:
+            self.worker.batch_sizes.append(len(message.submit))
+            if len(message.submit) > 1:
+                self.worker.batched_ids += [sub.request.request_id for sub in message.submit]
+        for sub in message.submit:
+            self.submit(sub)
+        for handle in message.abort:
+            # Unknown handles are ignored: the request finished while the abort was on its way.
+            request_id = self._request_ids.get(handle)
+            if request_id is not None:
+                self.worker._stop(request_id)
+
+    def submit(self, sub: worker_pb2.SessionSubmit) -> None:
+        """Start one request; a refusal becomes that handle's error in the next frame.
+        The checks run in Generate's order, so each knob fails the same request."""
+        handle, request = sub.handle, sub.request
+        if handle in self._tasks:
+            self._fail(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
+            return
+        if self.worker.fail_before_first > 0:
+            self.worker.fail_before_first -= 1
+            self._fail(handle, Unavailable("injected failure"))
+            return
+        refusal = self.worker._refusal(request, "request")
+        if refusal is None and not request.prompt_token_ids:
+            refusal = InvalidArgument("request.prompt_token_ids", "must not be empty")
+        if refusal is not None:
+            self._fail(handle, refusal)
+            return
+        if sub.traceparent:
+            self.worker.traceparents[request.request_id] = sub.traceparent
+        self._request_ids[handle] = request.request_id
+        self._tasks[handle] = asyncio.ensure_future(self._run(handle, request, sub.timeout_s or None))
+
+    def input_done(self) -> None:
+        """The caller sends no more: frames end once the running requests finish."""
+        self._input_done = True
+        self._schedule()
+
+    async def frames(self) -> AsyncIterator[worker_pb2.SessionResponse]:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            self._flush_scheduled = False
+            frame, self._frame = self._frame, worker_pb2.SessionResponse()
+            if frame.handles or frame.finals or frame.errors:
+                yield frame
+            if self._input_done and not self._tasks:
+                return
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _schedule(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._ready.set)
+
+    def _fail(self, handle: int, error: Exception) -> None:
+        self._frame.errors.append(worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
+        self._schedule()
+
+    async def _run(self, handle: int, request: common_pb2.TokenRequest, timeout_s: float | None) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with contextlib.aclosing(self.worker._run(request)) as events:
+                    async for event in events:
+                        if isinstance(event, common_pb2.TokenDelta):
+                            self._frame.handles.append(handle)
+                            self._frame.token_counts.append(len(event.token_ids))
+                            self._frame.token_ids.extend(event.token_ids)
+                        else:
+                            self._frame.finals.append(worker_pb2.SessionFinal(handle=handle, final=event))
+                        self._schedule()
+        except TimeoutError:
+            # The deadline closed the generation, as the real worker aborts it in the engine.
+            self._fail(handle, DeadlineExceeded("the request's deadline passed on the worker"))
+        finally:
+            self._tasks.pop(handle, None)
+            self._request_ids.pop(handle, None)
+            if self._input_done:
+                self._schedule()
 
 
 @dataclass

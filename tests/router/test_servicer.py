@@ -15,6 +15,9 @@ from services.router.core import Router
 from tests.router.fakeworker import FakeWorker, RunningFake, next_token, start_fake
 from tests.router.helpers import request, start_router, wait_for
 
+TRANSPORTS = ["session", "calls"]
+"""Tests of what crosses the worker hop run over both transports (session is the default)."""
+
 
 def expected_tokens(prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
@@ -60,10 +63,11 @@ async def test_generate_streams_tokens_with_served_by() -> None:
         await stop_all(rut, workers)
 
 
-async def test_failover_before_first_token_goes_to_next_worker() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_failover_before_first_token_goes_to_next_worker(transport: str) -> None:
     workers = await fakes("zone-a", "zone-b")
     workers[0].worker.fail_before_first = 3
-    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], worker_transport=transport)
     try:
         tokens, final = await rut.generate([5, 6], 5)
         assert tokens == expected_tokens([5, 6], 5)
@@ -193,9 +197,10 @@ async def test_resume_token_ids_from_upstream_are_not_resent() -> None:
         await stop_all(rut, workers)
 
 
-async def test_client_cancel_aborts_worker_request() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_client_cancel_aborts_worker_request(transport: str) -> None:
     workers = await fakes("zone-a", token_delay_s=0.05)
-    rut = await start_router([(workers[0].address, "zone-a")])
+    rut = await start_router([(workers[0].address, "zone-a")], worker_transport=transport)
     try:
         call = rut.stub.Generate(request([1, 2], 100, "cancel-me"))
         got = 0
@@ -210,9 +215,10 @@ async def test_client_cancel_aborts_worker_request() -> None:
         await stop_all(rut, workers)
 
 
-async def test_deadline_passes_through() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_deadline_passes_through(transport: str) -> None:
     workers = await fakes("zone-a", token_delay_s=0.05)
-    rut = await start_router([(workers[0].address, "zone-a")])
+    rut = await start_router([(workers[0].address, "zone-a")], worker_transport=transport)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await rut.generate([1], 100, timeout=0.3)
@@ -222,9 +228,10 @@ async def test_deadline_passes_through() -> None:
         await stop_all(rut, workers)
 
 
-async def test_abort_rpc_stops_a_running_request() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_abort_rpc_stops_a_running_request(transport: str) -> None:
     workers = await fakes("zone-a", token_delay_s=0.05)
-    rut = await start_router([(workers[0].address, "zone-a")])
+    rut = await start_router([(workers[0].address, "zone-a")], worker_transport=transport)
     try:
         task = asyncio.ensure_future(rut.generate([3], 200, request_id="abort-me"))
         await wait_for(lambda: "abort-me" in workers[0].worker.running)
@@ -237,11 +244,15 @@ async def test_abort_rpc_stops_a_running_request() -> None:
         await stop_all(rut, workers)
 
 
-async def test_batching_window_batches_and_demultiplexes_and_cancels_one() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_batching_window_batches_and_demultiplexes_and_cancels_one(transport: str) -> None:
+    """A window's requests go out together (one GenerateBatch call, or one Session message
+    of submissions); each gets its own tokens back, and cancelling one aborts only it (an
+    Abort call, or an abort by handle)."""
     workers = await fakes("zone-a", token_delay_s=0.02)
     rut = await start_router(
         [(workers[0].address, "zone-a")], batch_max_wait_ms=30, batch_max_size=8, worker_capacity=4,
-        max_queue=64,
+        max_queue=64, worker_transport=transport,
     )
     try:
         prompts = [[i, i + 1] for i in range(24)]
@@ -439,13 +450,14 @@ async def test_abort_while_queued_finishes_without_running() -> None:
 # ---- request faults are the request's, not the worker's -------------------------------------
 
 
-async def test_a_burst_of_rejected_requests_never_takes_a_worker_out() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_burst_of_rejected_requests_never_takes_a_worker_out(transport: str) -> None:
     """Poison requests (a temperature the engine refuses) interleaved with normal ones:
     the poison gets INVALID_ARGUMENT naming the field, every normal one is served, and
     no worker's circuit moves (issue 16: one such request used to eject every worker)."""
     workers = await fakes("zone-a", "zone-b")
     rut = await start_router([(w.address, w.worker.zone) for w in workers], batch_max_wait_ms=30,
-                             batch_max_size=8, worker_capacity=8)
+                             batch_max_size=8, worker_capacity=8, worker_transport=transport)
     try:
         async def poison(i: int) -> grpc.aio.AioRpcError:
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -476,10 +488,11 @@ async def test_a_burst_of_rejected_requests_never_takes_a_worker_out() -> None:
         await stop_all(rut, workers)
 
 
-async def test_an_engine_failure_of_one_request_is_retried_without_blaming_the_worker() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_engine_failure_of_one_request_is_retried_without_blaming_the_worker(transport: str) -> None:
     workers = await fakes("zone-a", "zone-b")
     workers[0].worker.internal_errors = 1
-    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], worker_transport=transport)
     try:
         tokens, final = await rut.generate([5, 6], 4)
         assert tokens == expected_tokens([5, 6], 4)
