@@ -71,6 +71,14 @@ def token_request(g: TokenGeneration) -> common_pb2.TokenRequest:
     )
 
 
+def router_generate_request(g: TokenGeneration, resume_token_ids: list[int], resumed: int
+                            ) -> router_pb2.GenerateRequest:
+    """One generation (or its resumption after ``resume_token_ids``) as the router takes it."""
+    return router_pb2.GenerateRequest(
+        request=token_request(g), resume_token_ids=resume_token_ids, resumed=resumed, tenant=g.tenant,
+    )
+
+
 def encode_input(
     model: str, prompt: str, messages: list[ChatTurn], add_generation_prompt: bool | None
 ) -> tokenizer_pb2.EncodeInput:

@@ -3,9 +3,9 @@
 One ``Session`` call per replica, opened when the first request needs it and again after
 it broke, carries every request the gateway sends to that replica under a handle of its
 own. What the requests write in one event-loop iteration (the router's step wakes many
-streams at once) goes out as one ``SessionRequest``: the first write schedules the flush
-with ``call_soon``, the others land in the same message. A reader task splits each frame
-into the requests' queues.
+streams at once) goes out as one ``SessionRequest``, and a reader task splits each frame
+into the requests' queues (the machinery is :mod:`gateway.sessionlink`'s; here are what
+a postprocessor message and frame hold).
 
 To :class:`gateway.core._Stream` a request looks like a ``Process`` stream
 (:class:`gateway.core.PostSession`): its own error (bad config, bad token) is the domain
@@ -16,25 +16,23 @@ every request on it, so each is replayed into another replica.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 from opentelemetry import propagate
 
 from gateway import convert
 from gateway.core import TierUnavailable
+from gateway.sessionlink import ReplicaLinks, SessionLink
 from gateway.tiers import domain_error
 from gateway.types import PostConfig, PostDelta, PostFinal
 from llmesh.common.v1 import common_pb2
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common import errors
-from services.common.channels import broken_link, create_channel
+from services.common.channels import broken_link
 from services.common.settings import TlsSettings
-
-log = logging.getLogger(__name__)
 
 _BROKEN_CODES = {
     grpc.StatusCode.UNAVAILABLE,
@@ -130,21 +128,12 @@ class SessionPost:
         self.items.put_nowait(item)
 
 
-class _SessionLink:
-    """One Session call to one replica: a buffer flushed once per loop iteration, and a
-    reader that demultiplexes frames by handle."""
+class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.SessionResponse, SessionPost]):
+    """One Session call to one postprocessor replica and the requests it carries."""
 
-    def __init__(self, stub: postprocess_pb2_grpc.PostprocessServiceStub, replica: int) -> None:
-        self.replica = replica
-        self.requests: dict[int, SessionPost] = {}
-        self.failure: errors.LlmeshError | None = None
-        self._next_handle = 0
-        self._outbox: asyncio.Queue[postprocess_pb2.SessionRequest | None] = asyncio.Queue()
-        self._pending = postprocess_pb2.SessionRequest()
-        self._flush_scheduled = False
-        self.messages_sent = 0
-        self._call = stub.Session(self._messages())
-        self._reader = asyncio.ensure_future(self._read())
+    tier = "postprocessor"
+    ended_message = "postprocessor session: the replica ended the session"
+    closed_message = "postprocessor session: closed"
 
     # -- writing ---------------------------------------------------------------------
     def open(self, config: PostConfig, deadline: float | None) -> SessionPost:
@@ -182,81 +171,27 @@ class _SessionLink:
             self._pending.closes.append(request.handle)
             self._schedule()
 
-    def _allocate(self) -> int:
-        while True:
-            self._next_handle = (self._next_handle + 1) & 0xFFFFFFFF
-            if self._next_handle not in self.requests:
-                return self._next_handle
+    # -- internals -------------------------------------------------------------------
+    def _open(self, channel: grpc.aio.Channel,
+              messages: AsyncIterator[postprocess_pb2.SessionRequest]) -> Any:
+        return postprocess_pb2_grpc.PostprocessServiceStub(channel).Session(messages)
 
-    def _schedule(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+    def _new_message(self) -> postprocess_pb2.SessionRequest:
+        return postprocess_pb2.SessionRequest()
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self.failure is not None:
-            return
-        message, self._pending = self._pending, postprocess_pb2.SessionRequest()
-        self.messages_sent += 1
-        self._outbox.put_nowait(message)
+    def _call_error(self, err: grpc.aio.AioRpcError) -> errors.LlmeshError:
+        return link_error(err)
 
-    async def _messages(self) -> AsyncIterator[postprocess_pb2.SessionRequest]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
-
-    # -- reading ---------------------------------------------------------------------
-    async def _read(self) -> None:
-        failure: errors.LlmeshError
-        try:
-            async for frame in self._call:
-                self._demultiplex(frame)
-            failure = TierUnavailable("postprocessor session: the replica ended the session")
-        except grpc.aio.AioRpcError as err:
-            failure = link_error(err)
-        except asyncio.CancelledError:
-            failure = TierUnavailable("postprocessor session: closed")
-            self._fail(failure)
-            raise
-        except Exception as exc:  # a bug here must not leave requests waiting forever
-            log.exception("postprocessor session reader failed")
-            failure = TierUnavailable(f"postprocessor session: {type(exc).__name__}")
-        self._fail(failure)
-
-    def _demultiplex(self, frame: postprocess_pb2.SessionResponse) -> None:
+    def _dispatch(self, frame: postprocess_pb2.SessionResponse) -> None:
         requests = self.requests
         for handle, text in zip(frame.handles, frame.texts, strict=True):
             request = requests.get(handle)
             if request is not None:  # else: closed meanwhile
                 request.deliver(PostDelta(text=text))
         for final in frame.finals:
-            request = requests.pop(final.handle, None)
-            if request is not None:
-                request.deliver(convert.post_final(final.final))
+            self._finish(final.handle, convert.post_final(final.final))
         for error in frame.errors:
-            request = requests.pop(error.handle, None)
-            if request is not None:
-                request.deliver(request_error(error.error))
-
-    def _fail(self, failure: errors.LlmeshError) -> None:
-        """The call is over: every request still on it fails with ``failure``."""
-        if self.failure is not None:
-            return
-        self.failure = failure
-        requests, self.requests = self.requests, {}
-        if requests:
-            log.warning("postprocessor replica %d: session broke (%s) under %d requests",
-                        self.replica, failure.message, len(requests))
-        for request in requests.values():
-            request.deliver(failure)
-        self._outbox.put_nowait(None)
-
-    async def close(self) -> None:
-        self._fail(TierUnavailable("postprocessor session: closed"))
-        self._call.cancel()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+            self._finish(error.handle, request_error(error.error))
 
 
 class SessionPostprocessorTier:
@@ -266,37 +201,19 @@ class SessionPostprocessorTier:
         if not targets:
             raise ValueError("at least one target is required")
         self.targets = list(targets)
-        # Untraced channels: the call lives for many requests; each request carries its
-        # own trace context in its open.
-        self.channels = [
-            create_channel(t, tls=tls, server_name_override=server_name, interceptors=[])
-            for t in self.targets
-        ]
-        self.stubs = [postprocess_pb2_grpc.PostprocessServiceStub(c) for c in self.channels]
-        self.links: list[_SessionLink | None] = [None] * len(self.targets)
+        self.links = ReplicaLinks(_SessionLink, self.targets, tls, server_name)
 
     @property
     def replicas(self) -> int:
-        return len(self.channels)
+        return len(self.targets)
 
     def link(self, replica: int) -> _SessionLink:
         """The replica's session, opened now if there is none or the last one broke."""
-        index = replica % self.replicas
-        link = self.links[index]
-        if link is None or link.failure is not None:
-            link = _SessionLink(self.stubs[index], index)
-            self.links[index] = link
-        return link
+        return self.links.current(replica)
 
     async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> SessionPost:
         deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
         return self.link(replica).open(config, deadline)
 
     async def close(self) -> None:
-        for link in self.links:
-            if link is not None:
-                with contextlib.suppress(Exception):
-                    await link.close()
-        for channel in self.channels:
-            with contextlib.suppress(Exception):
-                await channel.close()
+        await self.links.close()

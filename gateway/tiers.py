@@ -135,10 +135,7 @@ class GrpcRouterTier(_Replicas):
         self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
         resumed: int, timeout: float | None,
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
-        message = router_pb2.GenerateRequest(
-            request=convert.token_request(request), resume_token_ids=resume_token_ids, resumed=resumed,
-            tenant=request.tenant,
-        )
+        message = convert.router_generate_request(request, resume_token_ids, resumed)
         call = self.stubs[replica % self.replicas].Generate(message, timeout=timeout)
         try:
             async for reply in call:

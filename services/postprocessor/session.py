@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import propagate, trace
@@ -171,23 +171,24 @@ class PostprocessMux:
         self._requests[handle] = _Request(session, span)
 
     def _feed(self, frame: Frame, handle: int, ids: Sequence[int]) -> None:
-        request = self._lookup(frame, handle, "handles")
-        if request is None:
-            return
-        try:
-            step = request.session.feed(ids)
-        except Exception as exc:
-            self._fail(frame, handle, exc)
-            return
-        metrics.TOKENS.labels(request.session.model.name).inc(len(ids))
-        self._emit(frame, handle, request, step)
+        def feed(session: PostprocessSession) -> Step:
+            step = session.feed(ids)
+            metrics.TOKENS.labels(session.model.name).inc(len(ids))
+            return step
+
+        self._apply(frame, handle, "handles", feed)
 
     def _end(self, frame: Frame, handle: int, reason: UpstreamFinish) -> None:
-        request = self._lookup(frame, handle, "ends.handle")
+        self._apply(frame, handle, "ends.handle", lambda session: session.end(reason))
+
+    def _apply(self, frame: Frame, handle: int, field_name: str,
+               advance: Callable[[PostprocessSession], Step]) -> None:
+        """Advance the request under ``handle``; an unknown handle or a failure is its error."""
+        request = self._lookup(frame, handle, field_name)
         if request is None:
             return
         try:
-            step = request.session.end(reason)
+            step = advance(request.session)
         except Exception as exc:
             self._fail(frame, handle, exc)
             return

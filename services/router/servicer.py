@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -35,21 +34,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> AsyncIterator[router_pb2.SessionResponse]:
         session = RouterSession(self.router)
 
-        async def read() -> None:
-            async for message in request_iterator:
-                for sub in message.submit:  # submissions first: a message may abort its own
-                    session.submit(convert.submission_from_proto(sub))
-                for handle in message.abort:
-                    session.abort(handle)
+        def receive(message: router_pb2.SessionRequest) -> None:
+            for sub in message.submit:  # submissions first: a message may abort its own
+                session.submit(convert.submission_from_proto(sub))
+            for handle in message.abort:
+                session.abort(handle)
 
-        reader = asyncio.ensure_future(read())
-        reader.add_done_callback(lambda _t: session.input_done())
-        try:
+        # Leaving (the caller went away) aborts what still runs.
+        async with session.reading(request_iterator, receive):
             async for frame in session.frames():
                 yield convert.frame_to_proto(frame)
-        finally:
-            reader.cancel()
-            await session.close()  # the caller went away: abort what still runs
 
     async def Abort(
         self, request: router_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -6,7 +6,9 @@ event after a flush schedules the next flush with ``call_soon``; every event the
 requests produce before the event loop gets to it lands in the same frame. The worker
 link wakes all requests of one engine step in the same loop iteration (one worker frame,
 or one message per request read back to back), so a step's tokens for many requests
-cross the router -> gateway hop as one message instead of one message per request.
+cross the router -> gateway hop as one message instead of one message per request. That
+machinery is :class:`services.common.framing.FramedSession`; this module says what a
+router frame holds and how one request runs.
 
 Requests keep what they had as separate Generate calls: validation with field
 violations (an error of that request alone), a deadline after which the request ends
@@ -20,31 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import cast
 
 from opentelemetry import propagate, trace
 
 from llmesh.common.v1 import common_pb2
-from services.common.errors import DeadlineExceeded, InvalidArgument, LlmeshError
+from services.common import framing
+from services.common.errors import LlmeshError
 from services.common.tracing import tracer
 from services.router.core import Delta, Final, Router, RouteRequest
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Submission:
-    """One request submitted to a session."""
-
-    handle: int
-    request: RouteRequest | LlmeshError
-    """The request, or why it could not even be read (a missing field)."""
-    timeout_s: float | None = None
-    trace_context: Mapping[str, str] = field(default_factory=dict)
-    """W3C trace context (``traceparent``) of the caller's span for this request."""
+Submission = framing.Submission[RouteRequest | LlmeshError]
+"""One request submitted to a session: the request, or why it could not even be read
+(a missing field)."""
 
 
 @dataclass
@@ -72,32 +64,24 @@ class Frame:
         return sum(len(t.token_ids) for t in self.tokens.values())
 
 
-class RouterSession:
+class RouterSession(framing.FramedSession[Frame]):
     """The requests of one session and the frame being filled for them."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._frame = Frame()
-        self._ready = asyncio.Event()
-        self._flush_scheduled = False
-        self._input_done = False
-        self.frames_sent = 0
+    deadline_message = "the request's deadline passed on the router"
 
-    @property
-    def running(self) -> int:
-        return len(self._tasks)
+    def __init__(self, router: Router) -> None:
+        super().__init__()
+        self.router = router
 
     def submit(self, submission: Submission) -> None:
         """Start one request; a refusal becomes that request's error in the next frame."""
         handle, request = submission.handle, submission.request
-        if handle in self._tasks:
-            self._fail(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
+        if self._taken(handle):
             return
         if isinstance(request, LlmeshError):
             self._fail(handle, request)
             return
-        self._tasks[handle] = asyncio.ensure_future(self._run(submission, request))
+        self._start(handle, request.request.request_id, lambda: self._generate(submission, request))
 
     def abort(self, handle: int) -> None:
         """Cancel a running request (its worker request is aborted); nothing more is sent
@@ -106,41 +90,12 @@ class RouterSession:
         if task is not None:
             task.cancel()
 
-    def input_done(self) -> None:
-        """The caller sends no more submissions: frames end once the running ones finish."""
-        self._input_done = True
-        self._schedule()
-
-    async def frames(self) -> AsyncIterator[Frame]:
-        """Frames as requests produce events, until input is done and nothing runs."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            self._flush_scheduled = False
-            frame, self._frame = self._frame, Frame()
-            if frame:
-                self.frames_sent += 1
-                yield frame
-            if self._input_done and not self._tasks and not self._frame:
-                return
-
-    async def close(self) -> None:
-        """Cancel every running request (each aborts its worker request) and wait for them."""
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     # -- internals -------------------------------------------------------------------
-    def _schedule(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._ready.set)
+    def _new_frame(self) -> Frame:
+        return Frame()
 
-    def _fail(self, handle: int, error: Exception) -> None:
-        self._frame.errors.append((handle, error))
-        self._schedule()
+    def _add_error(self, frame: Frame, handle: int, error: Exception) -> None:
+        frame.errors.append((handle, error))
 
     def _add(self, handle: int, event: Delta | Final) -> None:
         if isinstance(event, Delta):
@@ -153,35 +108,23 @@ class RouterSession:
             self._frame.finals.append((handle, event))
         self._schedule()
 
-    async def _run(self, submission: Submission, route: RouteRequest) -> None:
+    async def _generate(self, submission: Submission, route: RouteRequest) -> None:
         handle = submission.handle
         # Without a traceparent the request starts its own trace (a root span), rather than
         # hanging under the server span of a session that lives as long as its caller.
         parent = propagate.extract(dict(submission.trace_context))
-        try:
-            # The span is current while the core runs: it annotates it with the routing
-            # decision as it does the server span of a Generate call.
-            with tracer().start_as_current_span(
-                "llmesh.router/Session.generate", context=parent, kind=trace.SpanKind.SERVER,
-                attributes={"llmesh.request_id": route.request.request_id},
-            ):
-                async with asyncio.timeout(submission.timeout_s):
-                    # Router.generate is an async generator (typed as an iterator).
-                    generation = cast(AsyncGenerator[Delta | Final, None],
-                                      self.router.generate(route, submission.timeout_s))
-                    async with contextlib.aclosing(generation) as events:
-                        async for event in events:
-                            self._add(handle, event)
-        except TimeoutError:
-            # Closing core.generate (by the timeout) aborted the worker request.
-            self._fail(handle, DeadlineExceeded("the request's deadline passed on the router"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if not isinstance(exc, LlmeshError):
-                log.exception("session request %s failed", route.request.request_id)
-            self._fail(handle, exc)
-        finally:
-            self._tasks.pop(handle, None)
-            if self._input_done:
-                self._schedule()
+        # The span is current while the core runs: it annotates it with the routing
+        # decision as it does the server span of a Generate call.
+        with tracer().start_as_current_span(
+            "llmesh.router/Session.generate", context=parent, kind=trace.SpanKind.SERVER,
+            attributes={"llmesh.request_id": route.request.request_id},
+        ):
+            # Closing core.generate (by the timeout, or cancelled by an abort) aborts the
+            # worker request.
+            async with asyncio.timeout(submission.timeout_s):
+                # Router.generate is an async generator (typed as an iterator).
+                generation = cast(AsyncGenerator[Delta | Final, None],
+                                  self.router.generate(route, submission.timeout_s))
+                async with contextlib.aclosing(generation) as events:
+                    async for event in events:
+                        self._add(handle, event)

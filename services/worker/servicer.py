@@ -73,22 +73,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except NotFound as exc:
                 return exc
 
-        async def read() -> None:
-            async for message in request_iterator:
-                for sub in message.submit:
-                    session.submit(convert.submission_from_proto(sub, adapter(sub)))
-                for handle in message.abort:
-                    session.abort(handle)
-            session.input_done()
+        def receive(message: worker_pb2.SessionRequest) -> None:
+            for sub in message.submit:
+                session.submit(convert.submission_from_proto(sub, adapter(sub)))
+            for handle in message.abort:
+                session.abort(handle)
 
-        reader = asyncio.ensure_future(read())
-        reader.add_done_callback(lambda _t: session.input_done())
-        try:
+        # Leaving (the caller went away) aborts what still runs.
+        async with session.reading(request_iterator, receive):
             async for frame in session.frames():
                 yield convert.frame_to_proto(frame)
-        finally:
-            reader.cancel()
-            await session.close()  # the caller went away: abort what still runs
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -6,7 +6,9 @@ the flush with ``call_soon``; everything the step's other requests produce befor
 event loop gets to it lands in the same frame. An accelerator (and the step-based fake)
 wakes all running requests of one step in the same loop iteration, so a frame carries
 that step's tokens for every request, and the session's transport pays its per-message
-cost once per step instead of once per token per request.
+cost once per step instead of once per token per request. That machinery is
+:class:`services.common.framing.FramedSession`; this module says what a worker frame
+holds and how one request runs on the engine.
 
 Requests keep what they had as separate calls: validation with field violations (an
 error of that request alone), a deadline after which the engine aborts it, abort by
@@ -19,18 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from opentelemetry import propagate, trace
 
-from services.common.errors import DeadlineExceeded, InvalidArgument, LlmeshError
+from services.common import framing
+from services.common.errors import LlmeshError
 from services.common.tracing import tracer
 from services.worker.core import Delta, Failed, Final, WorkerCore
 from services.worker.engine import EngineRequest, TokenLogprob
-
-log = logging.getLogger(__name__)
 
 
 def annotate_final(span: trace.Span, final: Final) -> None:
@@ -46,16 +45,9 @@ def annotate_final(span: trace.Span, final: Final) -> None:
     span.set_attribute("llmesh.worker.ttft_ms", final.ttft_ms)
 
 
-@dataclass(frozen=True)
-class Submission:
-    """One request submitted to a session."""
-
-    handle: int
-    request: EngineRequest | Failed
-    """The request, or why it could not even be read (unknown model)."""
-    timeout_s: float | None = None
-    trace_context: Mapping[str, str] = field(default_factory=dict)
-    """W3C trace context (``traceparent``) of the caller's span for this request."""
+Submission = framing.Submission[EngineRequest | Failed]
+"""One request submitted to a session: the request, or why it could not even be read
+(unknown model)."""
 
 
 @dataclass
@@ -71,28 +63,20 @@ class Frame:
         return bool(self.tokens or self.finals or self.errors)
 
 
-class WorkerSession:
+class WorkerSession(framing.FramedSession[Frame]):
     """The requests of one session and the frame being filled for them."""
 
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._request_ids: dict[int, str] = {}
-        self._frame = Frame()
-        self._ready = asyncio.Event()
-        self._flush_scheduled = False
-        self._input_done = False
-        self.frames_sent = 0
+    deadline_message = "the request's deadline passed on the worker"
+    failure_log = "request %s failed in the engine"
 
-    @property
-    def running(self) -> int:
-        return len(self._tasks)
+    def __init__(self, core: WorkerCore) -> None:
+        super().__init__()
+        self.core = core
 
     def submit(self, submission: Submission) -> None:
         """Start one request; a refusal becomes that request's error in the next frame."""
         handle, request = submission.handle, submission.request
-        if handle in self._tasks:
-            self._fail(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
+        if self._taken(handle):
             return
         if isinstance(request, Failed):
             self._fail(handle, request.error)
@@ -102,8 +86,7 @@ class WorkerSession:
         except LlmeshError as exc:
             self._fail(handle, exc)
             return
-        self._request_ids[handle] = request.request_id
-        self._tasks[handle] = asyncio.ensure_future(self._run(submission, request))
+        self._start(handle, request.request_id, lambda: self._generate(submission, request))
 
     def abort(self, handle: int) -> None:
         """Abort a running request; it ends with an ABORT final. Unknown handles are ignored
@@ -113,74 +96,31 @@ class WorkerSession:
             task = asyncio.ensure_future(self._abort(request_id))
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    def input_done(self) -> None:
-        """The caller sends no more submissions: frames end once the running ones finish."""
-        self._input_done = True
-        self._schedule()
-
-    async def frames(self) -> AsyncIterator[Frame]:
-        """Frames as steps produce them, until input is done and nothing runs."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            self._flush_scheduled = False
-            frame, self._frame = self._frame, Frame()
-            if frame:
-                self.frames_sent += 1
-                yield frame
-            if self._input_done and not self._tasks and not self._frame:
-                return
-
-    async def close(self) -> None:
-        """Cancel every running request (each is aborted in the engine) and wait for them."""
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     # -- internals -------------------------------------------------------------------
-    def _schedule(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._ready.set)
+    def _new_frame(self) -> Frame:
+        return Frame()
 
-    def _fail(self, handle: int, error: Exception) -> None:
-        self._frame.errors.append((handle, error))
-        self._schedule()
+    def _add_error(self, frame: Frame, handle: int, error: Exception) -> None:
+        frame.errors.append((handle, error))
 
     async def _abort(self, request_id: str) -> None:
         with contextlib.suppress(LlmeshError):
             await self.core.abort(request_id)
 
-    async def _run(self, submission: Submission, request: EngineRequest) -> None:
+    async def _generate(self, submission: Submission, request: EngineRequest) -> None:
         handle = submission.handle
         parent = propagate.extract(dict(submission.trace_context)) if submission.trace_context else None
-        try:
-            with tracer().start_as_current_span(
-                "llmesh.worker/Session.generate", context=parent, kind=trace.SpanKind.SERVER,
-                attributes={"llmesh.request_id": request.request_id},
-            ) as span:
-                async with asyncio.timeout(submission.timeout_s):
-                    async with contextlib.aclosing(self.core.generate(request, validated=True)) as events:
-                        async for event in events:
-                            if isinstance(event, Delta):
-                                self._frame.tokens.append((handle, event.token_ids, event.logprobs))
-                            else:
-                                annotate_final(span, event)
-                                self._frame.finals.append((handle, event))
-                            self._schedule()
-        except TimeoutError:
-            # core.generate was closed by the timeout: the engine has aborted the request.
-            self._fail(handle, DeadlineExceeded("the request's deadline passed on the worker"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if not isinstance(exc, LlmeshError):
-                log.exception("request %s failed in the engine", request.request_id)
-            self._fail(handle, exc)
-        finally:
-            self._tasks.pop(handle, None)
-            self._request_ids.pop(handle, None)
-            if self._input_done:
-                self._schedule()
+        with tracer().start_as_current_span(
+            "llmesh.worker/Session.generate", context=parent, kind=trace.SpanKind.SERVER,
+            attributes={"llmesh.request_id": request.request_id},
+        ) as span:
+            # Closing core.generate (by the timeout) aborts the request in the engine.
+            async with asyncio.timeout(submission.timeout_s):
+                async with contextlib.aclosing(self.core.generate(request, validated=True)) as events:
+                    async for event in events:
+                        if isinstance(event, Delta):
+                            self._frame.tokens.append((handle, event.token_ids, event.logprobs))
+                        else:
+                            annotate_final(span, event)
+                            self._frame.finals.append((handle, event))
+                        self._schedule()

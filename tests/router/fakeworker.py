@@ -33,7 +33,6 @@ from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import SERVER_KEEPALIVE_OPTIONS
 from services.common.errors import (
-    DeadlineExceeded,
     Internal,
     InvalidArgument,
     LlmeshError,
@@ -41,6 +40,7 @@ from services.common.errors import (
     map_exception,
     request_error_to_proto,
 )
+from services.common.framing import FramedSession
 
 SERVICE = "llmesh.worker.v1.WorkerService"
 MODEL = "fake-model"
@@ -169,20 +169,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Session(self, request_iterator, context):  # type: ignore[no-untyped-def]
         session = FakeSession(self)
-
-        async def read() -> None:
-            async for message in request_iterator:
-                session.receive(message)
-
-        reader = asyncio.ensure_future(read())
-        reader.add_done_callback(lambda _t: session.input_done())
-        try:
+        # Leaving (the caller went away) stops what still runs.
+        async with session.reading(request_iterator, session.receive):
             async for frame in session.frames():
                 self.frames.append(frame)
                 yield frame
-        finally:
-            reader.cancel()
-            await session.close()  # the caller went away: stop what still runs
 
     def _stop(self, request_id: str) -> None:
         """Abort a running request: it ends with an ABORT final at its next token."""
@@ -205,22 +196,20 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             worker_id=self.worker_id, pid=os.getpid(), max_context_length=4096, vocab_size=1000)
 
 
-class FakeSession:
-    """One Session of the double, with the semantics of services/worker/session.py: each
-    submission runs on its own; everything the requests produce before the event loop
-    comes round (the requests that woke together, as one engine step wakes them) goes out
-    in one frame; a refusal, failure or passed deadline is that handle's SessionError; an
-    abort by handle ends the request with an ABORT final; ending the session stops every
-    request still running (no final, the stream is gone)."""
+class FakeSession(FramedSession[worker_pb2.SessionResponse]):
+    """One Session of the double, with the semantics of services/worker/session.py (and
+    its machinery, services/common/framing.py): each submission runs on its own;
+    everything the requests produce before the event loop comes round (the requests that
+    woke together, as one engine step wakes them) goes out in one frame; a refusal,
+    failure or passed deadline is that handle's SessionError; an abort by handle ends the
+    request with an ABORT final; ending the session stops every request still running (no
+    final, the stream is gone)."""
+
+    deadline_message = "the request's deadline passed on the worker"
 
     def __init__(self, worker: FakeWorker) -> None:
+        super().__init__()
         self.worker = worker
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._request_ids: dict[int, str] = {}
-        self._frame = worker_pb2.SessionResponse()
-        self._ready = asyncio.Event()
-        self._flush_scheduled = False
-        self._input_done = False
 
     def receive(self, message: worker_pb2.SessionRequest) -> None:
         if message.submit:
@@ -239,8 +228,7 @@ class FakeSession:
         """Start one request; a refusal becomes that handle's error in the next frame.
         The checks run in Generate's order, so each knob fails the same request."""
         handle, request = sub.handle, sub.request
-        if handle in self._tasks:
-            self._fail(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
+        if self._taken(handle):
             return
         if self.worker.fail_before_first > 0:
             self.worker.fail_before_first -= 1
@@ -254,61 +242,30 @@ class FakeSession:
             return
         if sub.traceparent:
             self.worker.traceparents[request.request_id] = sub.traceparent
-        self._request_ids[handle] = request.request_id
-        self._tasks[handle] = asyncio.ensure_future(self._run(handle, request, sub.timeout_s or None))
+        timeout_s = sub.timeout_s or None
+        self._start(handle, request.request_id, lambda: self._generate(handle, request, timeout_s))
 
-    def input_done(self) -> None:
-        """The caller sends no more: frames end once the running requests finish."""
-        self._input_done = True
-        self._schedule()
+    def _new_frame(self) -> worker_pb2.SessionResponse:
+        return worker_pb2.SessionResponse()
 
-    async def frames(self) -> AsyncIterator[worker_pb2.SessionResponse]:
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            self._flush_scheduled = False
-            frame, self._frame = self._frame, worker_pb2.SessionResponse()
-            if frame.handles or frame.finals or frame.errors:
-                yield frame
-            if self._input_done and not self._tasks:
-                return
+    def _has_content(self, frame: worker_pb2.SessionResponse) -> bool:
+        return bool(frame.handles or frame.finals or frame.errors)
 
-    async def close(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+    def _add_error(self, frame: worker_pb2.SessionResponse, handle: int, error: Exception) -> None:
+        frame.errors.append(worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
 
-    def _schedule(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._ready.set)
-
-    def _fail(self, handle: int, error: Exception) -> None:
-        self._frame.errors.append(worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
-        self._schedule()
-
-    async def _run(self, handle: int, request: common_pb2.TokenRequest, timeout_s: float | None) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with contextlib.aclosing(self.worker._run(request)) as events:
-                    async for event in events:
-                        if isinstance(event, common_pb2.TokenDelta):
-                            self._frame.handles.append(handle)
-                            self._frame.token_counts.append(len(event.token_ids))
-                            self._frame.token_ids.extend(event.token_ids)
-                        else:
-                            self._frame.finals.append(worker_pb2.SessionFinal(handle=handle, final=event))
-                        self._schedule()
-        except TimeoutError:
-            # The deadline closed the generation, as the real worker aborts it in the engine.
-            self._fail(handle, DeadlineExceeded("the request's deadline passed on the worker"))
-        finally:
-            self._tasks.pop(handle, None)
-            self._request_ids.pop(handle, None)
-            if self._input_done:
-                self._schedule()
+    async def _generate(self, handle: int, request: common_pb2.TokenRequest, timeout_s: float | None) -> None:
+        # The deadline closes the generation, as the real worker aborts it in the engine.
+        async with asyncio.timeout(timeout_s):
+            async with contextlib.aclosing(self.worker._run(request)) as events:
+                async for event in events:
+                    if isinstance(event, common_pb2.TokenDelta):
+                        self._frame.handles.append(handle)
+                        self._frame.token_counts.append(len(event.token_ids))
+                        self._frame.token_ids.extend(event.token_ids)
+                    else:
+                        self._frame.finals.append(worker_pb2.SessionFinal(handle=handle, final=event))
+                    self._schedule()
 
 
 @dataclass

@@ -211,6 +211,28 @@ async def test_abort_by_handle_ends_it_and_frees_the_worker_request() -> None:
         await stop_all(rut, workers)
 
 
+async def test_an_abort_in_the_submitting_message_frees_the_handle() -> None:
+    """A request cancelled in the tick it was submitted reaches the router as a submission
+    and its abort in one message: the handle must be free again and the session must end
+    when the caller's input does (its task was cancelled before it ever ran)."""
+    workers = await fakes("zone-a")
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        client = SessionClient(rut.stub)
+        await client.send([submit(1, [5, 6], 1500, ignore_eos=True)], aborts=[1])
+        await client.send([submit(1, [7], 3)])  # the same handle again
+        await client.until_ended([1])
+        assert client.outcomes[1].error is None, client.outcomes[1].error
+        assert client.outcomes[1].tokens == expected_tokens([7], 3)
+        await client.call.done_writing()
+        async with asyncio.timeout(10):
+            while await client.call.read() is not grpc.aio.EOF:
+                pass
+        await wait_for(lambda: running(workers) == 0)
+    finally:
+        await stop_all(rut, workers)
+
+
 async def test_deadline_per_submission() -> None:
     workers = await fakes("zone-a")
     rut = await start_router([(workers[0].address, "zone-a")])

@@ -1,0 +1,180 @@
+"""The server side of a multiplexed Session: requests by handle, one frame per tick (no grpc).
+
+A Session call carries many requests under handles its caller chose. Each request runs
+in a task of its own, and what the requests produce is collected into one frame. The
+first event after a flush schedules the next flush with ``call_soon``; every event the
+other requests produce before the event loop gets to it lands in the same frame. An
+engine step (or a worker frame on the router) wakes all its requests in the same loop
+iteration, so a step's output for many requests crosses the hop as one message.
+
+:class:`FramedSession` owns that machinery: the handles' tasks, the frame being filled,
+the per-tick flush, the end of input, the frames iterator, and what every request shares
+around its work (a passed deadline, a failure, the handle freed when it ends). What a
+frame holds, how a request runs and how it is aborted belong to each tier's session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Generic, TypeVar
+
+from services.common.errors import DeadlineExceeded, InvalidArgument, LlmeshError
+
+FrameT = TypeVar("FrameT")
+MessageT = TypeVar("MessageT")
+RequestT = TypeVar("RequestT")
+
+
+@dataclass(frozen=True)
+class Submission(Generic[RequestT]):
+    """One request submitted to a session."""
+
+    handle: int
+    request: RequestT
+    """The request, or why it could not even be read."""
+    timeout_s: float | None = None
+    trace_context: Mapping[str, str] = field(default_factory=dict)
+    """W3C trace context (``traceparent``) of the caller's span for this request."""
+
+
+class FramedSession(ABC, Generic[FrameT]):
+    """The requests of one session and the frame being filled for them."""
+
+    deadline_message: ClassVar[str] = "the request's deadline passed"
+    """The DeadlineExceeded message of a request whose ``asyncio.timeout`` passed."""
+    failure_log: ClassVar[str] = "session request %s failed"
+    """Logged (with the request id) for a request that failed with an unexpected error."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._request_ids: dict[int, str] = {}
+        self._frame = self._new_frame()
+        self._ready = asyncio.Event()
+        self._flush_scheduled = False
+        self._input_done = False
+        self.frames_sent = 0
+
+    # -- what each tier defines ------------------------------------------------------
+    @abstractmethod
+    def _new_frame(self) -> FrameT:
+        """An empty frame."""
+
+    @abstractmethod
+    def _add_error(self, frame: FrameT, handle: int, error: Exception) -> None:
+        """Put ``error`` in ``frame`` as the request's end."""
+
+    def _has_content(self, frame: FrameT) -> bool:
+        """Whether ``frame`` is worth sending."""
+        return bool(frame)
+
+    # -- the session -----------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    def input_done(self) -> None:
+        """The caller sends no more submissions: frames end once the running ones finish."""
+        self._input_done = True
+        self._schedule()
+
+    async def frames(self) -> AsyncIterator[FrameT]:
+        """Frames as requests produce events, until input is done and nothing runs."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            self._flush_scheduled = False
+            frame, self._frame = self._frame, self._new_frame()
+            if self._has_content(frame):
+                self.frames_sent += 1
+                yield frame
+            if self._input_done and not self._tasks and not self._has_content(self._frame):
+                return
+
+    @contextlib.asynccontextmanager
+    async def reading(
+        self, messages: AsyncIterator[MessageT], receive: Callable[[MessageT], None]
+    ) -> AsyncIterator[None]:
+        """Apply the caller's messages with ``receive`` while the body sends :meth:`frames`;
+        on leaving (the caller went away, or every request ended) stop reading and
+        :meth:`close` what still runs."""
+
+        async def read() -> None:
+            async for message in messages:
+                receive(message)
+            self.input_done()
+
+        reader = asyncio.ensure_future(read())
+        reader.add_done_callback(lambda _t: self.input_done())
+        try:
+            yield
+        finally:
+            reader.cancel()
+            await self.close()
+
+    async def close(self) -> None:
+        """Cancel every running request and wait for them."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- for the tiers' sessions -----------------------------------------------------
+    def _taken(self, handle: int) -> bool:
+        """Whether ``handle`` still runs a request; if so, the new submission under it
+        fails (that error goes to the handle, in the next frame)."""
+        if handle in self._tasks:
+            self._fail(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
+            return True
+        return False
+
+    def _start(self, handle: int, request_id: str, work: Callable[[], Awaitable[None]]) -> None:
+        """Run ``work()`` as the request under ``handle``: its passed deadline
+        (``TimeoutError``) or failure becomes the handle's error, and the handle is free
+        once it ends."""
+        self._request_ids[handle] = request_id
+        task = asyncio.ensure_future(self._run(handle, request_id, work))
+        self._tasks[handle] = task
+        task.add_done_callback(lambda done: self._release(handle, done))
+
+    def _release(self, handle: int, task: asyncio.Future[None]) -> None:
+        """Free ``handle`` once its task is done. ``_run`` frees it on the way out; a task
+        cancelled before it started (an abort in the message that submitted it) never
+        ran, so without this its handle stayed taken and ``frames()`` never ended."""
+        if self._tasks.get(handle) is task:
+            del self._tasks[handle]
+            self._request_ids.pop(handle, None)
+            if self._input_done:
+                self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._ready.set)
+
+    def _fail(self, handle: int, error: Exception) -> None:
+        self._add_error(self._frame, handle, error)
+        self._schedule()
+
+    async def _run(self, handle: int, request_id: str, work: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await work()
+        except TimeoutError:
+            # The timeout closed the request's generation, which aborts it downstream.
+            self._fail(handle, DeadlineExceeded(self.deadline_message))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, LlmeshError):
+                logging.getLogger(type(self).__module__).exception(self.failure_log, request_id)
+            self._fail(handle, exc)
+        finally:
+            self._tasks.pop(handle, None)
+            self._request_ids.pop(handle, None)
+            if self._input_done:
+                self._schedule()
