@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
 
-from services.common.errors import DeadlineExceeded, InvalidArgument, LlmeshError
+from services.common.errors import DeadlineExceeded, InvalidArgument, LlmeshError, map_exception
+from services.common.metrics import record_request
 
 FrameT = TypeVar("FrameT")
 MessageT = TypeVar("MessageT")
@@ -49,6 +51,9 @@ class FramedSession(ABC, Generic[FrameT]):
     """The DeadlineExceeded message of a request whose ``asyncio.timeout`` passed."""
     failure_log: ClassVar[str] = "session request %s failed"
     """Logged (with the request id) for a request that failed with an unexpected error."""
+    request_metric: ClassVar[tuple[str, str] | None] = None
+    """(tier, method): each request is counted in the RPC metrics as that per-request RPC
+    (see :func:`services.common.metrics.record_request`); None records nothing."""
 
     def __init__(self) -> None:
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -129,7 +134,7 @@ class FramedSession(ABC, Generic[FrameT]):
         """Whether ``handle`` still runs a request; if so, the new submission under it
         fails (that error goes to the handle, in the next frame)."""
         if handle in self._tasks:
-            self._fail(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
+            self._refuse(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
             return True
         return False
 
@@ -147,6 +152,8 @@ class FramedSession(ABC, Generic[FrameT]):
         cancelled before it started (an abort in the message that submitted it) never
         ran, so without this its handle stayed taken and ``frames()`` never ended."""
         if self._tasks.get(handle) is task:
+            if self.request_metric is not None:
+                record_request(*self.request_metric, "CANCELLED", 0.0)
             del self._tasks[handle]
             self._request_ids.pop(handle, None)
             if self._input_done:
@@ -157,23 +164,36 @@ class FramedSession(ABC, Generic[FrameT]):
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._ready.set)
 
+    def _refuse(self, handle: int, error: Exception) -> None:
+        """A submission refused before it started: counted, and its error sent."""
+        if self.request_metric is not None:
+            record_request(*self.request_metric, map_exception(error).code.name, 0.0)
+        self._fail(handle, error)
+
     def _fail(self, handle: int, error: Exception) -> None:
         self._add_error(self._frame, handle, error)
         self._schedule()
 
     async def _run(self, handle: int, request_id: str, work: Callable[[], Awaitable[None]]) -> None:
+        start = time.perf_counter()
+        code = "OK"
         try:
             await work()
         except TimeoutError:
             # The timeout closed the request's generation, which aborts it downstream.
+            code = "DEADLINE_EXCEEDED"
             self._fail(handle, DeadlineExceeded(self.deadline_message))
         except asyncio.CancelledError:
+            code = "CANCELLED"
             raise
         except Exception as exc:
+            code = map_exception(exc).code.name
             if not isinstance(exc, LlmeshError):
                 logging.getLogger(type(self).__module__).exception(self.failure_log, request_id)
             self._fail(handle, exc)
         finally:
+            if self.request_metric is not None:
+                record_request(*self.request_metric, code, time.perf_counter() - start)
             self._tasks.pop(handle, None)
             self._request_ids.pop(handle, None)
             if self._input_done:

@@ -10,15 +10,28 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 
 RPC_REQUESTS = Counter(
     "llmesh_rpc_requests",
-    "RPCs handled, by tier, method and final status code.",
+    "RPCs handled, by tier, method and final status code; a request carried by a Session "
+    "counts once under the per-request method it stands for (Generate, Process).",
     ["tier", "method", "code"],
 )
 RPC_LATENCY = Histogram(
     "llmesh_rpc_duration_seconds",
-    "Server-side RPC duration by tier and method.",
+    "Server-side RPC duration by tier and method (Session-carried requests as above).",
     ["tier", "method"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+
+
+def record_request(tier: str, method: str, code: str, seconds: float) -> None:
+    """Count one request a Session carried as the per-request RPC it replaces.
+
+    Dashboards and alerts read request rates and error codes per tier from
+    ``llmesh_rpc_requests_total``; a long-lived Session is one RPC for thousands of
+    requests, so without this an internal tier would look idle and its per-request errors
+    would never reach the error-rate alerts.
+    """
+    RPC_REQUESTS.labels(tier, method, code).inc()
+    RPC_LATENCY.labels(tier, method).observe(seconds)
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1",

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import propagate, trace
 
-from services.common.errors import InvalidArgument, LlmeshError
+from services.common.errors import InvalidArgument, LlmeshError, map_exception
+from services.common.metrics import record_request
 from services.common.tracing import tracer
 from services.postprocessor import metrics
 from services.postprocessor.core import (
@@ -90,6 +92,11 @@ class Frame:
 class _Request:
     session: PostprocessSession
     span: trace.Span
+    started: float = field(default_factory=time.perf_counter)
+
+    def record(self, code: str) -> None:
+        """Count the request as the Process call it stands for (dashboards read rates)."""
+        record_request("postprocessor", "Process", code, time.perf_counter() - self.started)
 
 
 class PostprocessMux:
@@ -163,6 +170,7 @@ class PostprocessMux:
         except Exception as exc:
             self._report(handle, exc)
             _end_span(span, exc)
+            record_request("postprocessor", "Process", map_exception(exc).code.name, 0.0)
             frame.errors.append((handle, exc))
             self._remember(handle)
             return
@@ -225,6 +233,7 @@ class PostprocessMux:
         log.debug("request %d finished: %s after %d tokens, %d redactions", handle,
                   final.finish_reason.value, final.completion_tokens, final.redactions)
         frame.finals.append((handle, final))
+        request.record("OK")
         del self._requests[handle]
         self._remember(handle)
 
@@ -233,11 +242,13 @@ class PostprocessMux:
         self._report(handle, error)
         if request is not None:
             _end_span(request.span, error)
+            request.record(map_exception(error).code.name)
         frame.errors.append((handle, error))
         self._remember(handle)
 
     def _drop(self, handle: int, why: str) -> None:
         request = self._requests.pop(handle)
+        request.record("CANCELLED")
         request.span.set_attribute("llmesh.dropped", why)
         request.span.end()
         self._remember(handle)

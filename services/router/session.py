@@ -68,6 +68,7 @@ class RouterSession(framing.FramedSession[Frame]):
     """The requests of one session and the frame being filled for them."""
 
     deadline_message = "the request's deadline passed on the router"
+    request_metric = ("router", "Generate")
 
     def __init__(self, router: Router) -> None:
         super().__init__()
@@ -79,7 +80,7 @@ class RouterSession(framing.FramedSession[Frame]):
         if self._taken(handle):
             return
         if isinstance(request, LlmeshError):
-            self._fail(handle, request)
+            self._refuse(handle, request)
             return
         self._start(handle, request.request.request_id, lambda: self._generate(submission, request))
 

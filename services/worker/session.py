@@ -68,6 +68,7 @@ class WorkerSession(framing.FramedSession[Frame]):
 
     deadline_message = "the request's deadline passed on the worker"
     failure_log = "request %s failed in the engine"
+    request_metric = ("worker", "Generate")
 
     def __init__(self, core: WorkerCore) -> None:
         super().__init__()
@@ -79,12 +80,12 @@ class WorkerSession(framing.FramedSession[Frame]):
         if self._taken(handle):
             return
         if isinstance(request, Failed):
-            self._fail(handle, request.error)
+            self._refuse(handle, request.error)
             return
         try:
             self.core.validate(request)
         except LlmeshError as exc:
-            self._fail(handle, exc)
+            self._refuse(handle, exc)
             return
         self._start(handle, request.request_id, lambda: self._generate(submission, request))
 

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
 
 from llmesh.common.v1 import common_pb2
 from llmesh.router.v1 import router_pb2
@@ -147,6 +148,11 @@ async def test_interleaved_requests_get_exactly_the_tokens_of_generate_calls() -
 async def test_one_bad_submission_fails_only_its_handle() -> None:
     workers = await fakes("zone-a")
     rut = await start_router([(workers[0].address, "zone-a")])
+    def counted(code: str) -> float:
+        labels = {"tier": "router", "method": "Generate", "code": code}
+        return REGISTRY.get_sample_value("llmesh_rpc_requests_total", labels) or 0.0
+
+    before = {code: counted(code) for code in ("OK", "INVALID_ARGUMENT")}
     try:
         client = SessionClient(rut.stub)
         await client.send([
@@ -158,6 +164,9 @@ async def test_one_bad_submission_fails_only_its_handle() -> None:
             submit(6, [4, 5], 6),
         ])
         await client.until_ended([1, 2, 3, 4, 5, 6])
+        # Each request of the session counts as the Generate call it stands for.
+        assert counted("OK") - before["OK"] == 2
+        assert counted("INVALID_ARGUMENT") - before["INVALID_ARGUMENT"] == 4
         for handle, path in ((2, "request"), (3, "request"),
                              (4, "request.sampling.temperature"), (5, "request.prompt_token_ids")):
             error = client.outcomes[handle].error
