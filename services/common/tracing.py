@@ -62,6 +62,23 @@ def tracer(name: str = "llmesh") -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+UNTRACED_METHODS = ("GetLoad", "WatchLoad", "Session")
+"""RPCs that get no span of their own. Load polls run several times a second per worker
+for as long as the mesh runs: a span each would cost both ends more CPU than the poll
+itself and flood the trace backend with spans nobody reads. A ``Session`` lives as long as
+the processes it links; every request it carries has its own span instead. Health checks
+are left out for the same reason as load polls."""
+
+
+def _traced() -> Any:
+    """The OpenTelemetry gRPC filter: every RPC but :data:`UNTRACED_METHODS` and health."""
+    from opentelemetry.instrumentation.grpc import filters
+
+    return filters.negate(filters.any_of(
+        filters.health_check(), *(filters.method_name(name) for name in UNTRACED_METHODS)
+    ))
+
+
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     from opentelemetry.instrumentation.grpc import __version__, _aio_server
 
@@ -99,10 +116,10 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     return [StreamClosingServerInterceptor(trace.get_tracer(
         "opentelemetry.instrumentation.grpc", __version__,
         schema_url="https://opentelemetry.io/schemas/1.11.0",
-    ))]
+    ), filter_=_traced())]
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-    return list(aio_client_interceptors())
+    return list(aio_client_interceptors(filter_=_traced()))
