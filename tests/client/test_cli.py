@@ -183,7 +183,11 @@ def test_main_rejects_an_unknown_mode() -> None:
 def _spawn(*args: str, **kwargs: object) -> subprocess.Popen[bytes]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMESH_")}
     return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
-        [sys.executable, "-m", "llmesh.cli", *args], cwd=REPO, env=clean, **kwargs
+        [sys.executable, "-m", "llmesh.cli", *args], cwd=REPO, env=clean,
+        # A suite started in the background of a non-interactive shell inherits SIGINT
+        # ignored, and Python then never raises KeyboardInterrupt: the CLI runs as a
+        # user's terminal runs it, with the default disposition.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs,
     )
 
 
