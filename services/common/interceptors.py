@@ -103,7 +103,7 @@ def refusing_handler(
     short = method.rsplit("/", 1)[-1]
 
     async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
-        RPC_REQUESTS.labels(tier, short, map_exception(error).code.name).inc()
+        RPC_REQUESTS.labels(tier, short, map_exception(error).code.name, "call").inc()
         if on_refused is not None:
             on_refused(context)
         await context.abort_with_status(map_exception(error).to_grpc_status())
@@ -141,7 +141,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         tier = self.tier
 
         def finish(context: grpc.aio.ServicerContext, start: float, code: str) -> None:
-            RPC_REQUESTS.labels(tier, short, code).inc()
+            RPC_REQUESTS.labels(tier, short, code, "call").inc()
             RPC_LATENCY.labels(tier, short).observe(time.perf_counter() - start)
 
         if handler.unary_unary or handler.stream_unary:

@@ -11,8 +11,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 RPC_REQUESTS = Counter(
     "llmesh_rpc_requests",
     "RPCs handled, by tier, method and final status code; a request carried by a Session "
-    "counts once under the per-request method it stands for (Generate, Process).",
-    ["tier", "method", "code"],
+    "counts once under the per-request method it stands for (Generate, Process), with "
+    "transport=session (transport=call: an RPC of its own).",
+    ["tier", "method", "code", "transport"],
 )
 RPC_LATENCY = Histogram(
     "llmesh_rpc_duration_seconds",
@@ -30,7 +31,7 @@ def record_request(tier: str, method: str, code: str, seconds: float) -> None:
     requests, so without this an internal tier would look idle and its per-request errors
     would never reach the error-rate alerts.
     """
-    RPC_REQUESTS.labels(tier, method, code).inc()
+    RPC_REQUESTS.labels(tier, method, code, "session").inc()
     RPC_LATENCY.labels(tier, method).observe(seconds)
 
 

@@ -84,7 +84,7 @@ def _metric(proc: TierProcess, name: str, **labels: str) -> float:
 
 
 def _generate_calls(mesh: Mesh) -> float:
-    return sum(_metric(p, "llmesh_rpc_requests_total", tier="router", method="Generate")
+    return sum(_metric(p, "llmesh_rpc_requests_total", tier="router", method="Generate", transport="call")
                for p in _procs(mesh, "router") if p.alive())
 
 

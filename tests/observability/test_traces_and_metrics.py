@@ -233,6 +233,9 @@ async def test_metrics_move_by_the_right_amounts(traced_mesh):
     assert moved("tokenizer", "llmesh_rpc_requests_total", tier="tokenizer", method="Encode", code="OK") == n
     assert moved("postprocessor", "llmesh_rpc_requests_total", tier="postprocessor", method="Process") == n
     assert moved("router", "llmesh_rpc_requests_total", tier="router", method="Generate") == n
+    # ... carried by the gateway's router Session, not as calls of their own.
+    assert moved("router", "llmesh_rpc_requests_total", tier="router", method="Generate",
+                 transport="session") == n
     assert moved("gateway", "llmesh_gateway_completion_tokens_total") == n * max_tokens
     assert moved("gateway", "llmesh_gateway_requests_total", finish_reason="length") == n
     assert moved("gateway", "llmesh_gateway_request_duration_seconds_count") == n

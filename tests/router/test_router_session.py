@@ -149,7 +149,7 @@ async def test_one_bad_submission_fails_only_its_handle() -> None:
     workers = await fakes("zone-a")
     rut = await start_router([(workers[0].address, "zone-a")])
     def counted(code: str) -> float:
-        labels = {"tier": "router", "method": "Generate", "code": code}
+        labels = {"tier": "router", "method": "Generate", "code": code, "transport": "session"}
         return REGISTRY.get_sample_value("llmesh_rpc_requests_total", labels) or 0.0
 
     before = {code: counted(code) for code in ("OK", "INVALID_ARGUMENT")}
