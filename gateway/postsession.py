@@ -26,9 +26,8 @@ from opentelemetry import propagate
 from gateway import convert
 from gateway.core import TierUnavailable
 from gateway.sessionlink import ReplicaLinks, SessionLink
-from gateway.tiers import domain_error
+from gateway.tiers import domain_error, request_error
 from gateway.types import PostConfig, PostDelta, PostFinal
-from llmesh.common.v1 import common_pb2
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common import errors
 from services.common.channels import broken_link
@@ -46,9 +45,6 @@ _BROKEN_CODES = {
 }
 """Codes of a failed Session call that say the link broke, not that the requests were bad."""
 
-_REQUEST_TRANSPORT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
-"""Codes of one request's error that make it go to another replica (as a call's would)."""
-
 PostItem = PostDelta | PostFinal | BaseException
 
 
@@ -58,17 +54,6 @@ def link_error(err: grpc.aio.AioRpcError) -> errors.LlmeshError:
     if code in _BROKEN_CODES or broken_link(err.details() or ""):
         return TierUnavailable(f"postprocessor session: {err.details() or code.name}")
     return domain_error(err, tier="postprocessor")
-
-
-def request_error(proto: common_pb2.RequestError) -> errors.LlmeshError:
-    """One request's error, mapped as gateway.tiers.domain_error maps a Process call's."""
-    code, mapped = errors.request_error_from_proto(proto)
-    if code in _REQUEST_TRANSPORT:
-        return TierUnavailable(f"postprocessor: {mapped.message}")
-    if not isinstance(mapped, errors.InvalidArgument | errors.ResourceExhausted):
-        mapped.message = f"postprocessor: {mapped.message}"
-        mapped.args = (mapped.message,)
-    return mapped
 
 
 class SessionPost:
@@ -191,7 +176,7 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
         for final in frame.finals:
             self._finish(final.handle, convert.post_final(final.final))
         for error in frame.errors:
-            self._finish(error.handle, request_error(error.error))
+            self._finish(error.handle, request_error(error.error, tier="postprocessor"))
 
 
 class SessionPostprocessorTier:

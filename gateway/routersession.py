@@ -34,36 +34,18 @@ from opentelemetry import propagate
 from gateway import convert
 from gateway.core import TierUnavailable
 from gateway.sessionlink import ReplicaLinks, SessionLink
-from gateway.tiers import ROUTER_FIELD_PREFIXES, GrpcRouterTier, domain_error
+from gateway.tiers import ROUTER_FIELD_PREFIXES, GrpcRouterTier, domain_error, request_error
 from gateway.types import RouterDelta, RouterFinal, TokenGeneration
-from llmesh.common.v1 import common_pb2
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from services.common import errors
-from services.common.channels import broken_link
 from services.common.settings import TlsSettings
 
 _Item = RouterDelta | RouterFinal | errors.LlmeshError
-
-_TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
-"""A request failing with one of these moves to another replica (as a Generate call's would)."""
 
 _REFUSED_CODES = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
                   grpc.StatusCode.UNIMPLEMENTED}
 """A Session call ended with one of these was refused, not broken: another replica would
 refuse the same way, so the requests fail with the error instead of moving."""
-
-
-def request_error(proto: common_pb2.RequestError) -> errors.LlmeshError:
-    """The domain error of one refused request, as a Generate call's status would give it
-    (see :func:`gateway.tiers.domain_error`): public field paths, RetryInfo delay kept."""
-    code, mapped = errors.request_error_from_proto(proto, field_prefixes=ROUTER_FIELD_PREFIXES)
-    message = proto.message or code.name
-    if code in _TRANSPORT_CODES or (code is grpc.StatusCode.INTERNAL and broken_link(message)):
-        return TierUnavailable(f"router: {message}")
-    if not isinstance(mapped, errors.InvalidArgument | errors.ResourceExhausted):
-        mapped.message = f"router: {mapped.message}"
-        mapped.args = (mapped.message,)
-    return mapped
 
 
 class RequestEvents(asyncio.Queue[_Item]):
@@ -134,7 +116,8 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
         for final in frame.finals:
             self._finish(final.handle, convert.router_final(final.final))
         for failure in frame.errors:
-            self._finish(failure.handle, request_error(failure.error))
+            self._finish(failure.handle,
+                         request_error(failure.error, tier="router", strip=ROUTER_FIELD_PREFIXES))
 
 
 class SessionRouterTier(GrpcRouterTier):

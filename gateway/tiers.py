@@ -22,6 +22,7 @@ from gateway.types import (
     RouterFinal,
     TokenGeneration,
 )
+from llmesh.common.v1 import common_pb2
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -54,7 +55,24 @@ def domain_error(err: grpc.aio.AioRpcError, *, tier: str, strip: Sequence[str] =
     message = err.details() or code.name
     if is_transport_failure(err):
         return TierUnavailable(f"{tier}: {message}")
-    mapped = errors.error_from_rpc(err, field_prefixes=tuple(strip))
+    return _tier_prefixed(errors.error_from_rpc(err, field_prefixes=tuple(strip)), tier)
+
+
+def request_error(
+    proto: common_pb2.RequestError, *, tier: str, strip: Sequence[str] = ()
+) -> errors.LlmeshError:
+    """:func:`domain_error` of one request's error inside a Session frame: the same
+    mapping as the status of a call of its own would get."""
+    code, mapped = errors.request_error_from_proto(proto, field_prefixes=tuple(strip))
+    message = proto.message or code.name
+    if code in _TRANSPORT_CODES or (code is grpc.StatusCode.INTERNAL and broken_link(message)):
+        return TierUnavailable(f"{tier}: {message}")
+    return _tier_prefixed(mapped, tier)
+
+
+def _tier_prefixed(mapped: errors.LlmeshError, tier: str) -> errors.LlmeshError:
+    # Field violations and RetryInfo speak to the caller as they are; other messages say
+    # which tier answered.
     if not isinstance(mapped, errors.InvalidArgument | errors.ResourceExhausted):
         mapped.message = f"{tier}: {mapped.message}"
         mapped.args = (mapped.message,)
