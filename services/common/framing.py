@@ -56,7 +56,9 @@ class FramedSession(ABC, Generic[FrameT]):
     (see :func:`services.common.metrics.record_request`); None records nothing."""
 
     def __init__(self) -> None:
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._tasks: dict[int, asyncio.Task[str]] = {}
+        self._cancelling: set[asyncio.Task[str]] = set()
+        """Tasks cancelled by :meth:`_cancel`, no longer under a handle, until they end."""
         self._request_ids: dict[int, str] = {}
         self._frame = self._new_frame()
         self._ready = asyncio.Event()
@@ -122,8 +124,8 @@ class FramedSession(ABC, Generic[FrameT]):
             await self.close()
 
     async def close(self) -> None:
-        """Cancel every running request and wait for them."""
-        tasks = list(self._tasks.values())
+        """Cancel every running request and wait for them (and for those already cancelled)."""
+        tasks = [*self._tasks.values(), *self._cancelling]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -145,19 +147,32 @@ class FramedSession(ABC, Generic[FrameT]):
         self._request_ids[handle] = request_id
         task = asyncio.ensure_future(self._run(handle, request_id, work))
         self._tasks[handle] = task
-        task.add_done_callback(lambda done: self._release(handle, done))
+        start = time.perf_counter()
+        task.add_done_callback(lambda done: self._release(handle, done, start))
 
-    def _release(self, handle: int, task: asyncio.Future[None]) -> None:
-        """Free ``handle`` once its task is done. ``_run`` frees it on the way out; a task
-        cancelled before it started (an abort in the message that submitted it) never
-        ran, so without this its handle stayed taken and ``frames()`` never ended."""
+    def _cancel(self, handle: int) -> None:
+        """Cancel the request under ``handle`` and free the handle at once: nothing more
+        is sent for it, so its caller may submit under it again in its next message,
+        before the cancelled task has run. Unknown handles are ignored (the request
+        ended while the abort was on its way)."""
+        task = self._tasks.pop(handle, None)
+        if task is not None:
+            self._request_ids.pop(handle, None)
+            self._cancelling.add(task)
+            task.cancel()
+
+    def _release(self, handle: int, task: asyncio.Task[str], start: float) -> None:
+        """Count the request and free ``handle`` once its task is done, also when it was
+        cancelled before it ever ran (an abort in the message that submitted it)."""
+        self._cancelling.discard(task)
+        if self.request_metric is not None:
+            code = "CANCELLED" if task.cancelled() else task.result()
+            record_request(*self.request_metric, code, time.perf_counter() - start)
         if self._tasks.get(handle) is task:
-            if self.request_metric is not None:
-                record_request(*self.request_metric, "CANCELLED", 0.0)
             del self._tasks[handle]
             self._request_ids.pop(handle, None)
-            if self._input_done:
-                self._schedule()
+        if self._input_done:
+            self._schedule()
 
     def _schedule(self) -> None:
         if not self._flush_scheduled:
@@ -174,27 +189,17 @@ class FramedSession(ABC, Generic[FrameT]):
         self._add_error(self._frame, handle, error)
         self._schedule()
 
-    async def _run(self, handle: int, request_id: str, work: Callable[[], Awaitable[None]]) -> None:
-        start = time.perf_counter()
-        code = "OK"
+    async def _run(self, handle: int, request_id: str, work: Callable[[], Awaitable[None]]) -> str:
+        """Run one request; returns its status code name for the metrics."""
         try:
             await work()
         except TimeoutError:
             # The timeout closed the request's generation, which aborts it downstream.
-            code = "DEADLINE_EXCEEDED"
             self._fail(handle, DeadlineExceeded(self.deadline_message))
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
+            return "DEADLINE_EXCEEDED"
         except Exception as exc:
-            code = map_exception(exc).code.name
             if not isinstance(exc, LlmeshError):
                 logging.getLogger(type(self).__module__).exception(self.failure_log, request_id)
             self._fail(handle, exc)
-        finally:
-            if self.request_metric is not None:
-                record_request(*self.request_metric, code, time.perf_counter() - start)
-            self._tasks.pop(handle, None)
-            self._request_ids.pop(handle, None)
-            if self._input_done:
-                self._schedule()
+            return map_exception(exc).code.name
+        return "OK"

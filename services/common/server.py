@@ -67,7 +67,8 @@ class ServerHandle:
                     log.info("readiness of %s: %s", name, "SERVING" if ready else "NOT_SERVING")
             self.followed = current
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.readiness_changed.wait(), self.readiness_interval_s)
+                async with asyncio.timeout(self.readiness_interval_s):
+                    await self.readiness_changed.wait()
 
     async def set_ready(self, ready: bool) -> None:
         status = SERVING if ready else NOT_SERVING

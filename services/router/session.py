@@ -87,9 +87,7 @@ class RouterSession(framing.FramedSession[Frame]):
     def abort(self, handle: int) -> None:
         """Cancel a running request (its worker request is aborted); nothing more is sent
         for it. Unknown handles are ignored (the request ended while the abort was on its way)."""
-        task = self._tasks.get(handle)
-        if task is not None:
-            task.cancel()
+        self._cancel(handle)
 
     # -- internals -------------------------------------------------------------------
     def _new_frame(self) -> Frame:

@@ -76,11 +76,13 @@ class RouterSettings(ServerSettings):
     tokenizer_target: str = ""
     """Tokenizer tier address; its ListModels supplies expected tokenizer checksums."""
     load_interval_ms: int = 150
-    """Milliseconds between GetLoad polls of each worker."""
+    """Milliseconds between the load reports each worker streams (WatchLoad)."""
     load_timeout_ms: int = 400
-    """Deadline of one GetLoad poll; a worker that misses it is marked unreachable."""
+    """A worker whose latest load report is older than this is marked unreachable (a
+    missed poll); another one is counted every load_interval_ms while it stays silent."""
     load_failures_to_eject: int = 1
-    """Consecutive failed load polls after which a worker stops receiving traffic."""
+    """Consecutive missed load polls (reports late by load_timeout_ms, or a broken
+    WatchLoad stream) after which a worker stops receiving traffic."""
     unreachable_failover_polls: int = 2
     """Consecutive missed load polls after which requests running on a worker resume elsewhere."""
     worker_transport: Literal["calls", "session"] = "session"

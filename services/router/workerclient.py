@@ -124,15 +124,15 @@ class GrpcWorkerClient:
 
     def __init__(self, address: str, *, tls: TlsSettings | None = None) -> None:
         self.address = address
-        # Generations go over a traced channel; the load polls and health watch (several
-        # calls a second) over an untraced one, so traces show requests, not polling.
+        # Generations go over a traced channel; the load and health watches over an
+        # untraced one, so traces show requests, not polling.
         self.channel = create_channel(address, tls=tls)
         self.control = create_channel(address, tls=tls, interceptors=[])
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.control_stub = worker_pb2_grpc.WorkerServiceStub(self.control)
         self.health = health_pb2_grpc.HealthStub(self.control)
         # Sessions get a connection of their own: a busy frame stream must not delay the
-        # load polls that decide reachability. Untraced: each request carries its own
+        # load reports that decide reachability. Untraced: each request carries its own
         # trace context inside the session.
         self.session_channel: grpc.aio.Channel | None = None
         self._tls = tls
@@ -185,12 +185,16 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 
-    async def get_load(self, timeout: float) -> Load:
+    async def watch_load(self, interval_s: float) -> AsyncIterator[Load]:
+        call = self.control_stub.WatchLoad(
+            worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000))))
         try:
-            reply = await self.control_stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
+            async for reply in call:
+                yield load_from_proto(reply.load)
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
-        return load_from_proto(reply.load)
+        finally:
+            call.cancel()
 
     async def get_model_info(self, timeout: float) -> WorkerInfo:
         try:

@@ -186,9 +186,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self._stop(request.request_id)
         return worker_pb2.AbortResponse()
 
+    def _load(self) -> worker_pb2.Load:
+        return worker_pb2.Load(running=len(self.running), in_flight=len(self.running),
+                               max_num_seqs=self.max_num_seqs)
+
     async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
-        return worker_pb2.GetLoadResponse(load=worker_pb2.Load(
-            running=len(self.running), in_flight=len(self.running), max_num_seqs=self.max_num_seqs))
+        return worker_pb2.GetLoadResponse(load=self._load())
+
+    async def WatchLoad(self, request, context):  # type: ignore[no-untyped-def]
+        while True:
+            yield worker_pb2.WatchLoadResponse(load=self._load())
+            await asyncio.sleep((request.interval_ms or 100) / 1000.0)
 
     async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
         return worker_pb2.GetModelInfoResponse(

@@ -1,0 +1,99 @@
+"""FramedSession's handle bookkeeping, with a minimal tier session (no grpc)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.framing import FramedSession
+from services.common.metrics import RPC_REQUESTS
+
+
+class Session(FramedSession[list[tuple[int, object]]]):
+    """A frame is a list of (handle, event or error); each request waits on its event."""
+
+    request_metric = ("test", "Generate")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[int, asyncio.Event] = {}
+
+    def _new_frame(self) -> list[tuple[int, object]]:
+        return []
+
+    def _add_error(self, frame: list[tuple[int, object]], handle: int, error: Exception) -> None:
+        frame.append((handle, error))
+
+    def submit(self, handle: int, name: str) -> None:
+        if self._taken(handle):
+            return
+        gate = self.gates[handle] = asyncio.Event()
+
+        async def work() -> None:
+            await gate.wait()
+            self._frame.append((handle, name))
+            self._schedule()
+
+        self._start(handle, name, work)
+
+
+def count(code: str) -> float:
+    return RPC_REQUESTS.labels("test", "Generate", code, "session")._value.get()
+
+
+async def collect(session: Session) -> list[tuple[int, object]]:
+    out: list[tuple[int, object]] = []
+    async for frame in session.frames():
+        out.extend(frame)
+    return out
+
+
+async def test_a_cancelled_handle_is_free_in_the_same_tick() -> None:
+    """Submit, abort and submit again under one handle before any task ran: the second
+    request runs, the first sends nothing, and the session ends when both are done."""
+    session = Session()
+    cancelled_before = count("CANCELLED")
+    ok_before = count("OK")
+    session.submit(1, "first")
+    session._cancel(1)
+    session.submit(1, "second")
+    session.input_done()
+    frames = asyncio.ensure_future(collect(session))
+    await asyncio.sleep(0)
+    session.gates[1].set()
+    events = await asyncio.wait_for(frames, 5)
+    assert events == [(1, "second")]
+    assert session.running == 0
+    assert count("CANCELLED") == cancelled_before + 1
+    assert count("OK") == ok_before + 1
+
+
+async def test_a_taken_handle_is_refused_and_close_waits_for_cancelled_tasks() -> None:
+    session = Session()
+    session.submit(7, "running")
+    session.submit(7, "again")  # refused: the first still runs
+    await asyncio.sleep(0)
+    assert session.running == 1
+    frame = session._frame
+    assert len(frame) == 1 and frame[0][0] == 7
+    assert "handle 7 is already running" in str(frame[0][1])
+    task = session._tasks[7]
+    session._cancel(7)
+    assert session.running == 0
+    await session.close()
+    assert task.done() and task.cancelled()
+
+
+@pytest.mark.parametrize("abort_twice", [False, True])
+async def test_cancelling_an_unknown_or_ended_handle_is_ignored(abort_twice: bool) -> None:
+    session = Session()
+    session._cancel(3)
+    session.submit(3, "x")
+    session.gates[3].set()
+    session.input_done()
+    events = await asyncio.wait_for(collect(session), 5)
+    assert events == [(3, "x")]
+    if abort_twice:
+        session._cancel(3)
+    assert session.running == 0
