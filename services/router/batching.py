@@ -75,6 +75,10 @@ class AdaptiveWindow:
 
 _END = object()
 
+SESSION_RETRY_S = 60.0
+"""How long a worker that answered Session with UNIMPLEMENTED gets calls before the
+router asks for a Session again."""
+
 
 @dataclass(eq=False)
 class AttemptStream:
@@ -92,6 +96,9 @@ class AttemptStream:
     """Its handle in the worker session (``worker_transport: session``)."""
     traceparent: str = ""
     """The submitting request's trace context, captured where it was submitted."""
+    submitted: tuple[common_pb2.TokenRequest, float | None] | None = None
+    """(request, deadline) while it waits for its first event on a worker session: a
+    worker without Session (an older release) takes it again over a call."""
     done: bool = False
     cancelled: bool = False
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -145,6 +152,9 @@ class BatchDispatcher:
         self.client = client
         self.session = session
         """Send over one long-lived worker Session (frames per step) instead of calls."""
+        self._wants_session = session
+        self._session_retry_at = 0.0
+        """When a worker that answered Session with UNIMPLEMENTED is asked again."""
         self._link: WorkerSessionLink | None = None
         self._reader: asyncio.Task[None] | None = None
         self._by_handle: dict[int, AttemptStream] = {}
@@ -207,6 +217,8 @@ class BatchDispatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._wants_session and not self.session and time.monotonic() >= self._session_retry_at:
+            self.session = True  # the worker may have been upgraded since
         while self._pending:
             size = max(1, self.window.max_size if self.window.enabled else 1)
             batch, self._pending = self._pending[:size], self._pending[size:]
@@ -298,15 +310,19 @@ class BatchDispatcher:
             if timeout is not None:
                 timeout = max(timeout, 0.001)  # 0 would mean "no deadline" on the wire
             submits.append(SessionSubmit(stream.handle, request, timeout, stream.traceparent))
+            stream.submitted = (request, deadline)
         self._link.send(submits, [])
 
     async def _read_session(self, link: WorkerSessionLink) -> None:
         error = WorkerCallError("transport", "UNAVAILABLE", "worker session ended")
+        answered = False
         try:
             async for handle, event in link.events():
+                answered = True
                 stream = self._by_handle.get(handle)
                 if stream is None:
                     continue  # cancelled or aborted by us: late output is dropped
+                stream.submitted = None
                 stream.push(event)
                 if not isinstance(event, common_pb2.TokenDelta):
                     del self._by_handle[handle]
@@ -321,9 +337,45 @@ class BatchDispatcher:
                 self._link = None
                 self._reader = None
                 streams, self._by_handle = list(self._by_handle.values()), {}
-                for stream in streams:
-                    stream.push(error)
+                suspect = not answered and error.code in ("UNIMPLEMENTED", "INTERNAL")
+                if suspect and await self._lacks_session():
+                    self._fall_back_to_calls(streams, error)
+                else:
+                    for stream in streams:
+                        stream.push(error)
             await link.close()
+
+    async def _lacks_session(self) -> bool:
+        """Whether a session that failed before its first frame failed because the worker
+        has no Session at all. Requests submitted meanwhile go over calls (every release
+        serves them)."""
+        self.session = False
+        try:
+            has = await self.client.has_session(timeout=5.0)
+        except WorkerCallError:
+            has = True  # it could not tell: treat the failure as the session's own
+        self.session = has or self.session
+        return not has
+
+    def _fall_back_to_calls(self, streams: list[AttemptStream], error: WorkerCallError) -> None:
+        """The worker has no Session (a release before it, during a rolling upgrade):
+        its requests go again over calls, which every release serves, instead of failing
+        and opening the worker's circuit. Session is tried again after
+        :data:`SESSION_RETRY_S`."""
+        log.warning("worker %s does not implement Session (%s): using calls for %.0f s",
+                    self.client.address, error.message, SESSION_RETRY_S)
+        self.session = False
+        self._session_retry_at = time.monotonic() + SESSION_RETRY_S
+        for stream in streams:
+            if stream.submitted is None:  # it already had output there: it cannot move silently
+                stream.push(error)
+                continue
+            request, deadline = stream.submitted
+            stream.submitted = None
+            stream.handle = None
+            self._pending.append((stream, request, deadline))
+        if self._pending:
+            self._flush()
 
     def _drop_link(self) -> None:
         if self._reader is not None:

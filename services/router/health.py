@@ -124,8 +124,13 @@ class WorkerMonitor:
             # interval; once silent, count a miss every interval.
             due = self._last_report + self.timeout_s - loop.time()
             await asyncio.sleep(due + 0.005 if due > 0 else self.interval_s)
+            if loop.time() - self._last_report <= self.timeout_s:
+                continue
+            # A report that reached this process while its event loop was busy is read by
+            # a callback already queued behind this one: let those run before judging.
+            await asyncio.sleep(0.02)
             silent = loop.time() - self._last_report
-            if silent <= self.timeout_s:
+            if silent <= self.timeout_s + 0.02:
                 continue
             state = self.state
             state.load_failures += 1

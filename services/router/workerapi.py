@@ -96,6 +96,11 @@ class WorkerClient(Protocol):
         """Start a session (the router's ``worker_transport: session``)."""
         ...
 
+    async def has_session(self, timeout: float) -> bool:
+        """Whether the worker serves Session (False: a release before it); raises
+        WorkerCallError when the worker cannot be asked."""
+        ...
+
     async def abort(self, request_id: str) -> None: ...
 
     def watch_load(self, interval_s: float) -> AsyncIterator[Load]:

@@ -179,6 +179,24 @@ class GrpcWorkerClient:
             self.session_channel = create_channel(self.address, tls=self._tls, interceptors=[])
         return GrpcSessionLink(worker_pb2_grpc.WorkerServiceStub(self.session_channel))
 
+    async def has_session(self, timeout: float) -> bool:
+        """Whether the worker serves Session: one call that sends nothing and ends its
+        input at once. A worker with Session answers OK with no frames, one without it
+        UNIMPLEMENTED. (A Session the worker ends early while the caller is still writing
+        may surface as INTERNAL "Internal error from Core" instead: only a call that writes
+        nothing tells the two apart.)"""
+        if self.session_channel is None:
+            self.session_channel = create_channel(self.address, tls=self._tls, interceptors=[])
+        call = worker_pb2_grpc.WorkerServiceStub(self.session_channel).Session(iter(()), timeout=timeout)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            raise call_error(err) from None
+        return True
+
     async def abort(self, request_id: str) -> None:
         try:
             await self.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=2.0)

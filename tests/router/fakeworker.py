@@ -80,6 +80,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     """The traceparent each Session submission carried, by request id."""
     frames: list[worker_pb2.SessionResponse] = field(default_factory=list)
     """Every Session frame sent, in order (the column layout under test)."""
+    has_session: bool = True
+    """False: answer Session with UNIMPLEMENTED, as a release before it does."""
+    session_calls: int = 0
 
     async def _run(self, request: common_pb2.TokenRequest) -> AsyncIterator[common_pb2.TokenDelta
                                                                                | common_pb2.TokenFinal]:
@@ -168,6 +171,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 task.cancel()
 
     async def Session(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        self.session_calls += 1
+        if not self.has_session:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
         session = FakeSession(self)
         # Leaving (the caller went away) stops what still runs.
         async with session.reading(request_iterator, session.receive):

@@ -24,7 +24,9 @@ from prometheus_client import REGISTRY
 from llmesh.common.v1 import common_pb2
 from llmesh.router.v1 import router_pb2
 from services.common import errors
+from services.router import batching
 from services.router import session as session_module
+from services.router.breaker import Circuit
 from services.worker.fake_engine import FakeModel, fake_greedy
 from tests.router.fakeworker import FakeWorker, RunningFake, next_token, start_fake
 from tests.router.helpers import request, start_router, wait_for
@@ -357,3 +359,37 @@ async def test_frames_carry_many_handles(
         client.call.cancel()
     finally:
         await rut.close()
+
+
+async def test_a_worker_without_session_gets_calls_and_keeps_its_circuit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rolling upgrade: the router defaults to worker Sessions, the worker is a release
+    without them and answers UNIMPLEMENTED. The requests sent into that session run again
+    over calls, none fails, the circuit stays closed, and Session is asked for again once
+    the retry time has passed."""
+    monkeypatch.setattr(batching, "SESSION_RETRY_S", 0.5)
+    workers = await fakes("zone-a", has_session=False)
+    rut = await start_router([(workers[0].address, "zone-a")], worker_transport="session")
+    try:
+        prompts = [[4, i, i + 2] for i in range(6)]
+        results = await asyncio.gather(*(rut.generate(p, 5) for p in prompts))
+        for prompt, (tokens, _final) in zip(prompts, results, strict=True):
+            assert tokens == expected_tokens(prompt, 5)
+        state = rut.router.registry.workers[workers[0].address]
+        assert state.breaker.state is Circuit.CLOSED
+        assert len(workers[0].worker.requests) == 6  # each ran once, over a call
+        asked = workers[0].worker.session_calls  # the session, and the probe that told why it failed
+        assert asked >= 2
+        tokens, _ = await rut.generate([8, 8], 3)
+        assert tokens == expected_tokens([8, 8], 3)
+        assert workers[0].worker.session_calls == asked  # calls until the retry time
+        # Upgraded meanwhile: after the retry time the router opens a Session again.
+        workers[0].worker.has_session = True
+        await asyncio.sleep(0.6)
+        tokens, _ = await rut.generate([9, 9], 3)
+        assert tokens == expected_tokens([9, 9], 3)
+        assert workers[0].worker.session_calls == asked + 1
+        assert workers[0].worker.frames
+    finally:
+        await stop_all(rut, workers)
