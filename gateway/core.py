@@ -433,9 +433,6 @@ class GatewayCore:
         return self._rr_post
 
 
-_POST_FAILED = object()
-
-
 def _failure_kind(exc: LlmeshError) -> str:
     """The retry policy's kind of a router call's error: a replica failing is worth
     another replica; anything else is the request's own answer."""

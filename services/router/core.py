@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -395,7 +395,7 @@ class Router:
 
     def generate(
         self, route: RouteRequest, timeout: float | None = None
-    ) -> AsyncIterator[Delta | Final]:
+    ) -> AsyncGenerator[Delta | Final, None]:
         """Stream deltas then one Final, retrying before and resuming after the first token.
 
         An async generator: nothing runs (not even validation) until it is iterated, and
@@ -439,7 +439,7 @@ class _AttemptLoop:
 
     # ---- the loop --------------------------------------------------------------------
 
-    async def run(self) -> AsyncIterator[Delta | Final]:
+    async def run(self) -> AsyncGenerator[Delta | Final, None]:
         self._admit_request()
         router = self.router
         router._active[self.request_id] = self.active
