@@ -440,14 +440,16 @@ class _AttemptLoop:
     # ---- the loop --------------------------------------------------------------------
 
     async def run(self) -> AsyncGenerator[Delta | Final, None]:
-        self._admit_request()
+        """Attempts until one yields the final: after a failed one, the policy's pause
+        (never into the deadline), then the next worker."""
+        self._begin()
         router = self.router
         router._active[self.request_id] = self.active
         try:
             while True:
                 request = self._attempt_request()
                 if request is None:
-                    # The budget was spent before the failure: nothing left to generate.
+                    # max_tokens was spent before the failure: nothing left to generate.
                     yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_LENGTH), None)
                     return
                 attempt = await self._acquire()
@@ -465,7 +467,7 @@ class _AttemptLoop:
         finally:
             router._active.pop(self.request_id, None)
 
-    def _admit_request(self) -> None:
+    def _begin(self) -> None:
         """Validate the request and start its clock, deadline and failover budget."""
         request, route, router = self.request, self.route, self.router
         if not request.prompt_token_ids and not route.resume_token_ids:
