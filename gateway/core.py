@@ -44,6 +44,7 @@ from gateway.types import (
 )
 from gateway.validation import check_context, validate_call, validate_request
 from services.common.errors import (
+    Cancelled,
     DeadlineExceeded,
     InvalidArgument,
     LlmeshError,
@@ -52,6 +53,7 @@ from services.common.errors import (
 )
 from services.common.limits import RequestLimits, clip
 from services.common.logs import request_id_var
+from services.common.retry import RetryPolicy, Step
 from services.common.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,12 @@ class Deadline:
         return left
 
 
+DEFAULT_FAILOVER = RetryPolicy(
+    max_failovers=3, count_replicas=True, base_backoff_s=0.05, max_backoff_s=0.5, jitter=0.5
+)
+"""The gateway's defaults (GatewaySettings' max_resumes and retry_*_backoff_ms)."""
+
+
 @dataclass
 class GatewayConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -122,7 +130,8 @@ class GatewayConfig:
     default_max_tokens: int = 512
     default_temperature: float | None = 0.0
     """Applied when a request leaves temperature unset; None leaves it to the engine."""
-    max_resumes: int = 3
+    failover: RetryPolicy = field(default_factory=lambda: DEFAULT_FAILOVER)
+    """How a stream moves to another router or postprocessor replica (GatewaySettings.failover_policy)."""
     models_refresh_s: float = 30.0
     stream_interval: int = 1
     """Tokens per stream delta when a request does not choose (1 = every token)."""
@@ -424,7 +433,16 @@ class GatewayCore:
         return self._rr_post
 
 
-_POST_FAILED = object()
+def _failure_kind(exc: LlmeshError) -> str:
+    """The retry policy's kind of a router call's error: a replica failing is worth
+    another replica; anything else is the request's own answer."""
+    if isinstance(exc, TierUnavailable):
+        return "transport"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline"
+    if isinstance(exc, Cancelled):
+        return "cancelled"
+    return "rejected"
 
 
 class _Stream:
@@ -453,7 +471,11 @@ class _Stream:
         self.lock = asyncio.Lock()
         self.events: asyncio.Queue[tuple[str, object, int]] = asyncio.Queue()
         self.first_text_at: float | None = None
-        self.post_failovers = 0
+        policy = core.config.failover
+        self.router_failovers = policy.start(replicas=core.router.replicas, deadline=deadline.at)
+        """Moves to another router replica: retries, then resumes once tokens arrived."""
+        self.post_failovers = policy.start(replicas=core.postprocessor.replicas, deadline=deadline.at)
+        """Moves to another postprocessor replica, each replaying every token so far."""
         self._reader: asyncio.Future[None] | None = None
         self.pacing = pacing
         self.held = TextDelta(text="")
@@ -476,7 +498,6 @@ class _Stream:
 
     async def _open_session(self) -> None:
         """Open (or re-open) the postprocessor stream and replay what it missed. Holds lock."""
-        attempts = 0
         while True:
             config = dataclasses.replace(self.post_config, skip_chars=self.sent_chars)
             try:
@@ -487,18 +508,26 @@ class _Stream:
                     await session.send_tokens(list(self.tokens))
                 if self.router_ended and self.router_final is not None:
                     await session.send_end(self.router_final.finish_reason)
-            except TierUnavailable:
-                attempts += 1
-                if attempts > max(self.core.postprocessor.replicas, 1) + self.core.config.max_resumes:
-                    raise
-                self.post_replica = self._other(self.post_replica, self.core.postprocessor.replicas)
-                await asyncio.sleep(min(0.05 * attempts, 0.5))
+            except TierUnavailable as exc:
+                self._postprocessor_failed(exc.message)
+                await self.post_failovers.pause()
                 continue
             self.session = session
             self.session_gen += 1
             gen = self.session_gen
             self._reader = asyncio.ensure_future(self._read_session(session, gen))
             return
+
+    def _postprocessor_failed(self, reason: str) -> None:
+        """Count a postprocessor replica's failure and move to the next replica; raises
+        TierUnavailable when the stream may move no more."""
+        step = self.post_failovers.failed("transport", delivered=bool(self.tokens))
+        if not step.moves:
+            raise TierUnavailable(f"postprocessor replicas keep failing; last: {reason}")
+        metrics.FAILOVERS.labels("postprocessor", "replay").inc()
+        log.warning("postprocessor replica %d failed (%s); replaying %d tokens into another",
+                    self.post_replica, reason, len(self.tokens))
+        self.post_replica = self._other(self.post_replica, self.core.postprocessor.replicas)
 
     async def _read_session(self, session: PostSession, gen: int) -> None:
         try:
@@ -525,52 +554,56 @@ class _Stream:
     # router side ------------------------------------------------------------------
 
     async def _run_router(self) -> None:
-        failures = 0
-        limit = self.core.config.max_resumes + max(self.core.router.replicas, 1)
+        """Router attempts until one ends with the router's final; on a replica's failure
+        the stream retries (nothing received yet) or resumes (from the tokens received)
+        through the next replica, as the failover policy says. An error that ends the
+        request goes to the pump as an ``error`` event."""
         while True:
-            got_tokens_this_attempt = False
             try:
-                stream = self.core.router.generate(
-                    self.router_replica, self.generation, resume_token_ids=list(self.tokens),
-                    resumed=self.resumed, timeout=self.deadline.remaining(),
-                )
-                async for event in stream:
-                    if isinstance(event, RouterDelta):
-                        got_tokens_this_attempt = True
-                        async with self.lock:
-                            self.tokens.extend(event.token_ids)
-                            if self.want_tokens:
-                                self.pending_ids.extend(event.token_ids)
-                                self.pending_logprobs.extend(event.logprobs)
-                            await self._send_tokens(event.token_ids)
-                    else:
-                        async with self.lock:
-                            self.router_final = event
-                            self.router_ended = True
-                            if self.session is not None:
-                                with contextlib.suppress(TierUnavailable):
-                                    await self.session.send_end(event.finish_reason)
-                if self.router_ended:
-                    return
-                raise TierUnavailable("router stream ended without a final message")
-            except TierUnavailable as exc:
-                failures += 1
-                if failures >= limit:
+                await self._router_attempt()
+                return
+            except LlmeshError as exc:
+                step = self.router_failovers.failed(_failure_kind(exc), delivered=bool(self.tokens))
+                if not step.moves:
                     await self.events.put(("error", exc, 0))
                     return
-                if self.tokens:
+                if step is Step.RESUME:
                     self.resumed += 1
-                    metrics.FAILOVERS.labels("router", "resume").inc()
-                else:
-                    metrics.FAILOVERS.labels("router", "retry").inc()
+                metrics.FAILOVERS.labels("router", step.value).inc()
                 log.warning("router replica %d failed (%s); %s through another replica",
                             self.router_replica, exc.message,
-                            "resuming" if got_tokens_this_attempt or self.tokens else "retrying")
+                            "resuming" if step is Step.RESUME else "retrying")
                 self.router_replica = self._other(self.router_replica, self.core.router.replicas)
-                await asyncio.sleep(min(0.05 * failures, 0.5))
-            except LlmeshError as exc:
+            try:
+                await self.router_failovers.pause()
+            except DeadlineExceeded as exc:
                 await self.events.put(("error", exc, 0))
                 return
+
+    async def _router_attempt(self) -> None:
+        """One router replica's stream: tokens on to the postprocessor as they come, then
+        the final. Raises TierUnavailable when the replica fails before its final."""
+        stream = self.core.router.generate(
+            self.router_replica, self.generation, resume_token_ids=list(self.tokens),
+            resumed=self.resumed, timeout=self.deadline.remaining(),
+        )
+        async for event in stream:
+            if isinstance(event, RouterDelta):
+                async with self.lock:
+                    self.tokens.extend(event.token_ids)
+                    if self.want_tokens:
+                        self.pending_ids.extend(event.token_ids)
+                        self.pending_logprobs.extend(event.logprobs)
+                    await self._send_tokens(event.token_ids)
+            else:
+                async with self.lock:
+                    self.router_final = event
+                    self.router_ended = True
+                    if self.session is not None:
+                        with contextlib.suppress(TierUnavailable):
+                            await self.session.send_end(event.finish_reason)
+        if not self.router_ended:
+            raise TierUnavailable("router stream ended without a final message")
 
     # the pump -----------------------------------------------------------------------
 
@@ -595,14 +628,10 @@ class _Stream:
                 if gen != self.session_gen:
                     continue  # from a replaced postprocessor session
                 if kind == "post_failed":
-                    self.post_failovers += 1
-                    metrics.FAILOVERS.labels("postprocessor", "replay").inc()
-                    if self.post_failovers > self.core.config.max_resumes + self.core.postprocessor.replicas:
-                        raise TierUnavailable("postprocessor replicas keep failing")
-                    log.warning("postprocessor replica %d failed; replaying %d tokens into another",
-                                self.post_replica, len(self.tokens))
+                    reason = payload.message if isinstance(payload, LlmeshError) else "stream ended"
+                    self._postprocessor_failed(reason)
+                    await self.post_failovers.pause()
                     async with self.lock:
-                        self.post_replica = self._other(self.post_replica, self.core.postprocessor.replicas)
                         await self._open_session()
                     continue
                 if isinstance(payload, PostDelta):

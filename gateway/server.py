@@ -66,7 +66,7 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
             default_model=settings.default_model,
             default_max_tokens=settings.default_max_tokens,
             default_temperature=settings.default_temperature if settings.default_temperature >= 0 else None,
-            max_resumes=settings.max_resumes,
+            failover=settings.failover_policy(),
             stream_interval=settings.stream_interval,
             stream_max_delay_ms=settings.stream_max_delay_ms,
         ),

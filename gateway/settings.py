@@ -9,6 +9,7 @@ from pydantic_settings import SettingsConfigDict
 
 from gateway.validation import MAX_STREAM_INTERVAL, MAX_STREAM_MAX_DELAY_MS
 from services.common.limits import RequestLimits, RequestLimitSettings
+from services.common.retry import RetryPolicy
 from services.common.settings import ServerSettings
 
 
@@ -61,8 +62,16 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     """temperature when a request leaves it unset: 0 (greedy) gives the same answer to the
     same prompt, which is what a caller that did not ask for sampling expects. A negative
     value leaves it to the engine (vLLM: the model's generation_config, else 1.0)."""
-    max_resumes: int = 3
-    """How many times one stream may move to another router or postprocessor replica."""
+    max_resumes: int = Field(default=3, ge=0)
+    """How many times one stream may move to another router replica (retrying before the
+    first token, resuming after it), and separately to another postprocessor replica,
+    beyond one try of each other replica (services/common/retry.py)."""
+    retry_base_backoff_ms: float = Field(default=50.0, ge=0.0)
+    """Pause before a stream's first move to another replica; it doubles with each further
+    move. Half of it is drawn at random, so streams failing together come back spread out;
+    a pause that would reach the request's deadline fails it with DEADLINE_EXCEEDED at once."""
+    retry_max_backoff_ms: float = Field(default=500.0, ge=0.0)
+    """Upper bound of the pause between a stream's moves to another replica."""
     stream_interval: int = Field(default=1, ge=1, le=MAX_STREAM_INTERVAL)
     """Tokens per GenerateStream delta (and HTTP chunk) when a request does not choose
     (stream_options.interval): 1 sends every token's text as it comes; N sends a delta per
@@ -76,6 +85,17 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     """OpenAI-compatible HTTP port (-1 disables it)."""
     http_host: str = "127.0.0.1"
     """Address of the OpenAI-compatible HTTP listener."""
+
+    def failover_policy(self) -> RetryPolicy:
+        """How a stream moves between router (and postprocessor) replicas: the same policy
+        type as the router's between workers, with the gateway's values."""
+        return RetryPolicy(
+            max_failovers=self.max_resumes,
+            count_replicas=True,
+            base_backoff_s=self.retry_base_backoff_ms / 1000.0,
+            max_backoff_s=self.retry_max_backoff_ms / 1000.0,
+            jitter=0.5,
+        )
 
     def limits(self) -> RequestLimits:
         return self.request_limits(max_logprobs=self.max_logprobs)

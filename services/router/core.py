@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
-import random
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -31,6 +31,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.logs import request_id_var
+from services.common.retry import Step
 from services.router import metrics
 from services.router.admission import Admission, NoCapacity
 from services.router.batching import AdaptiveWindow, AttemptStream, BatchDispatcher
@@ -129,6 +130,8 @@ class Router:
         self._checksum_source = checksum_source
         self._resolver = resolver
         self.ladder = ZoneLadder(settings.zones, settings.degraded_zones)
+        self.retry_policy = settings.retry_policy()
+        """Retries before the first token and resumes after it (shared with the gateway)."""
         self.policy = Policy(
             settings.affinity_balance_factor, settings.affinity_balance_slack, settings.kv_weight
         )
@@ -378,13 +381,6 @@ class Router:
         metrics.DRAIN_RATE.set(self.admission.drain_rate() or 0.0)
         self.admission.wake()
 
-    def _backoff_s(self, failures: int) -> float:
-        cap = min(
-            self.settings.retry_max_backoff_ms,
-            self.settings.retry_base_backoff_ms * 2 ** max(0, failures - 1),
-        )
-        return random.uniform(0, cap) / 1000.0
-
     async def abort(self, request_id: str) -> bool:
         """Stop a request this router runs; False if it is unknown (already finished)."""
         active = self._active.get(request_id)
@@ -397,189 +393,252 @@ class Router:
             stream.queue.put_nowait(common_pb2.TokenFinal(finish_reason=FINISH_ABORT))
         return True
 
-    async def generate(
+    def generate(
         self, route: RouteRequest, timeout: float | None = None
-    ) -> AsyncIterator[Delta | Final]:
-        """Stream deltas then one Final, retrying before and resuming after the first token."""
-        request = route.request
-        if not request.prompt_token_ids and not route.resume_token_ids:
-            raise InvalidArgument("request.prompt_token_ids", "must not be empty")
-        model = self._resolve_model(request.model)
-        request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self._active:
-            raise InvalidArgument("request.request_id", f"{request_id!r} is already running")
-        request_id_var.set(request_id)  # log lines of this call carry the request id
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        sampling = request.sampling
-        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else None
-        min_tokens = sampling.min_tokens if sampling.HasField("min_tokens") else None
-        prompt = list(request.prompt_token_ids)
-        produced: list[int] = list(route.resume_token_ids)
-        key = prefix_key(prompt, self.settings.affinity_prefix_tokens)
-        active = _Active()
-        self._active[request_id] = active
-        retries = 0
-        resumes = int(route.resumed)
-        failures = 0
-        failed: set[str] = set()
-        queue_ms = 0.0
-        first_token_at: float | None = None
-        current_span = _current_span()
+    ) -> AsyncGenerator[Delta | Final, None]:
+        """Stream deltas then one Final, retrying before and resuming after the first token.
+
+        An async generator: nothing runs (not even validation) until it is iterated, and
+        closing it aborts the worker request.
+        """
+        return _AttemptLoop(self, route, timeout).run()
+
+
+class _AttemptLoop:
+    """One request through the router: attempts on workers until one of them ends it.
+
+    Each attempt takes a worker slot (admission, away from the workers that failed this
+    request), streams the worker's deltas on, and ends the request with its final; when
+    it fails, the request's :class:`Failovers` (the router's :class:`RetryPolicy`) says
+    whether to retry (nothing delivered yet), resume from the tokens delivered, pass the
+    error on, or give up.
+    """
+
+    def __init__(self, router: Router, route: RouteRequest, timeout: float | None) -> None:
+        self.router = router
+        self.route = route
+        self.request = route.request
+        self.timeout = timeout
+        self.active = _Active()
+        self.prompt = list(self.request.prompt_token_ids)
+        self.produced: list[int] = list(route.resume_token_ids)
+        """Every token the caller has, from this router's attempts and from upstream."""
+        self.failed_workers: set[str] = set()
+        self.queue_ms = 0.0
+        self.first_token_at: float | None = None
+        self.done = False
+        """A final was yielded: the request is over."""
+        # Set when the run starts (validation is lazy, like the generator's body).
+        self.model = ""
+        self.request_id = ""
+        self.key: bytes | None = None
+        self.start = 0.0
+        self.deadline: float | None = None
+        self.failovers = router.retry_policy.start()
+        self.span: trace.Span = trace.INVALID_SPAN
+
+    # ---- the loop --------------------------------------------------------------------
+
+    async def run(self) -> AsyncGenerator[Delta | Final, None]:
+        """Attempts until one yields the final: after a failed one, the policy's pause
+        (never into the deadline), then the next worker."""
+        self._begin()
+        router = self.router
+        router._active[self.request_id] = self.active
         try:
             while True:
-                remaining = None if max_tokens is None else max_tokens - len(produced)
-                replay = self.settings.resume_mode != "prefill"
-                attempt_request = common_pb2.TokenRequest(
-                    request_id=request_id if failures == 0 else f"{request_id}~{failures}",
-                    model=model,
-                    prompt_token_ids=prompt if replay else prompt + produced,
-                    replay_token_ids=produced if replay else [],
-                    priority=request.priority,
-                )
-                attempt_request.sampling.CopyFrom(sampling)
-                if remaining is not None:
-                    attempt_request.sampling.max_tokens = max(0, remaining)
-                if min_tokens is not None:
-                    attempt_request.sampling.min_tokens = max(0, min_tokens - len(produced))
-                if remaining is not None and remaining <= 0 and produced:
-                    # The budget was spent before the failure: nothing left to generate.
-                    yield self._final(
-                        common_pb2.TokenFinal(finish_reason=FINISH_LENGTH), None, prompt,
-                        produced, resumes, retries, start, first_token_at, queue_ms,
-                    )
+                request = self._attempt_request()
+                if request is None:
+                    # max_tokens was spent before the failure: nothing left to generate.
+                    yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_LENGTH), None)
                     return
-                waited = time.monotonic()
-                try:
-                    attempt = await self.admission.acquire(
-                        functools.partial(self._pick, model, key, frozenset(failed)),
-                        request.priority, deadline, self._release, tenant=route.tenant,
-                    )
-                except ResourceExhausted:
-                    metrics.REJECTED.inc()
-                    raise
-                queue_ms += (time.monotonic() - waited) * 1000.0
-                worker = attempt.worker
-                if active.aborted:  # aborted while it waited for a worker
-                    self._release(attempt)
-                    yield self._final(
-                        common_pb2.TokenFinal(finish_reason=FINISH_ABORT), None, prompt,
-                        produced, resumes, retries, start, first_token_at, queue_ms,
-                    )
+                attempt = await self._acquire()
+                if self.active.aborted:  # aborted while it waited for a worker
+                    router._release(attempt)
+                    yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_ABORT), None)
                     return
-                metrics.ROUTED.labels(worker.zone, str(self.ladder.is_degraded(worker.zone)).lower()).inc()
-                if failures:
-                    self.resume_log.append((request_id, worker.worker_id, len(produced)))
-                    log.info("request %s: attempt %d on worker %s from token %d",
-                             request_id, failures + 1, worker.worker_id, len(produced))
-                stream = self._dispatchers[worker.address].submit(attempt_request, deadline)
-                active.stream = stream
-                got_tokens = False
-                finished = False
-                try:
-                    async for event in stream.events():
-                        if isinstance(event, common_pb2.TokenDelta):
-                            if not event.token_ids and not event.logprobs:
-                                continue
-                            if first_token_at is None:
-                                first_token_at = time.monotonic()
-                            got_tokens = got_tokens or bool(event.token_ids)
-                            produced.extend(event.token_ids)
-                            yield Delta(event)
-                            continue
-                        if active.aborted:
-                            finished = True
-                            yield self._final(
-                                common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker, prompt,
-                                produced, resumes, retries, start, first_token_at, queue_ms,
-                            )
-                            return
-                        if event.finish_reason in (FINISH_ERROR, FINISH_ABORT):
-                            # The engine failed this request or the worker is draining (its
-                            # health says so): try elsewhere, without blaming the worker.
-                            raise WorkerCallError(
-                                "failed", "ENGINE_" + common_pb2.EngineFinishReason.Name(
-                                    event.finish_reason), "worker ended the request",
-                            )
-                        worker.breaker.record_success()
-                        finished = True
-                        _annotate(
-                            current_span, worker, stream, retries, resumes, attempt.affinity,
-                            queue_ms=queue_ms, ttft_ms=(
-                                (first_token_at - start) * 1000.0 if first_token_at is not None else None
-                            ),
-                        )
-                        yield self._final(
-                            event, worker, prompt, produced, resumes, retries, start,
-                            first_token_at, queue_ms,
-                        )
-                        return
-                except WorkerCallError as exc:
-                    if active.aborted:
-                        yield self._final(
-                            common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker, prompt,
-                            produced, resumes, retries, start, first_token_at, queue_ms,
-                        )
-                        return
-                    if not exc.retryable:
-                        raise _caller_error(exc) from None
-                    if exc.kind == "transport":
-                        # Only the link or the worker failing moves the breaker; a worker
-                        # whose probes still answer needs several failures in a row.
-                        worker.breaker.record_failure(answering=worker.healthy)
-                        self._on_worker_change(worker)
-                    failures += 1
-                    failed.add(worker.address)
-                    metrics.FAILOVERS.labels(worker.zone).inc()
-                    if got_tokens:
-                        resumes += 1
-                        metrics.RESUMES.inc()
-                    else:
-                        retries += 1
-                        metrics.RETRIES.inc()
-                    log.warning(
-                        "request %s failed on worker %s (%s) after %d tokens; attempt %d of %d",
-                        request_id, worker.worker_id, exc.code, len(produced), failures,
-                        self.settings.max_retries + 1,
-                    )
-                    if failures > self.settings.max_retries:
-                        raise Unavailable(
-                            f"request failed on {failures} attempts; last: {exc.message}"
-                        ) from None
-                finally:
-                    active.stream = None
-                    if not finished:
-                        await stream.cancel()
-                    self._release(attempt)
-                delay = self._backoff_s(failures)
-                if deadline is not None and time.monotonic() + delay >= deadline:
-                    raise DeadlineExceeded("deadline passed while retrying")
-                await asyncio.sleep(delay)
+                self._note_routed(attempt.worker)
+                async with contextlib.aclosing(self._attempt(attempt, request)) as events:
+                    async for event in events:
+                        yield event
+                if self.done:
+                    return
+                await self.failovers.pause()
         finally:
-            self._active.pop(request_id, None)
+            router._active.pop(self.request_id, None)
 
-    def _final(
-        self, final: common_pb2.TokenFinal, worker: WorkerState | None, prompt: list[int],
-        produced: list[int], resumes: int, retries: int, start: float,
-        first_token_at: float | None, queue_ms: float,
-    ) -> Final:
+    def _begin(self) -> None:
+        """Validate the request and start its clock, deadline and failover budget."""
+        request, route, router = self.request, self.route, self.router
+        if not request.prompt_token_ids and not route.resume_token_ids:
+            raise InvalidArgument("request.prompt_token_ids", "must not be empty")
+        self.model = router._resolve_model(request.model)
+        self.request_id = request.request_id or uuid.uuid4().hex
+        if self.request_id in router._active:
+            raise InvalidArgument("request.request_id", f"{self.request_id!r} is already running")
+        request_id_var.set(self.request_id)  # log lines of this call carry the request id
+        self.start = time.monotonic()
+        self.deadline = None if self.timeout is None else self.start + self.timeout
+        self.failovers = router.retry_policy.start(deadline=self.deadline)
+        self.key = prefix_key(self.prompt, router.settings.affinity_prefix_tokens)
+        self.span = _current_span()
+
+    def _attempt_request(self) -> common_pb2.TokenRequest | None:
+        """What the next attempt sends: the tokens delivered so far replayed (or appended
+        to the prompt), the token budgets less what they already cover; None when
+        max_tokens was spent before the failure."""
+        request, produced = self.request, self.produced
+        sampling = request.sampling
+        remaining = sampling.max_tokens - len(produced) if sampling.HasField("max_tokens") else None
+        if remaining is not None and remaining <= 0 and produced:
+            return None
+        replay = self.router.settings.resume_mode != "prefill"
+        failures = self.failovers.failures
+        attempt_request = common_pb2.TokenRequest(
+            request_id=self.request_id if failures == 0 else f"{self.request_id}~{failures}",
+            model=self.model,
+            prompt_token_ids=self.prompt if replay else self.prompt + produced,
+            replay_token_ids=produced if replay else [],
+            priority=request.priority,
+        )
+        attempt_request.sampling.CopyFrom(sampling)
+        if remaining is not None:
+            attempt_request.sampling.max_tokens = max(0, remaining)
+        if sampling.HasField("min_tokens"):
+            attempt_request.sampling.min_tokens = max(0, sampling.min_tokens - len(produced))
+        return attempt_request
+
+    async def _acquire(self) -> _Attempt:
+        """A worker slot, queueing in admission if none is free."""
+        router = self.router
+        waited = time.monotonic()
+        try:
+            attempt = await router.admission.acquire(
+                functools.partial(router._pick, self.model, self.key, frozenset(self.failed_workers)),
+                self.request.priority, self.deadline, router._release, tenant=self.route.tenant,
+            )
+        except ResourceExhausted:
+            metrics.REJECTED.inc()
+            raise
+        self.queue_ms += (time.monotonic() - waited) * 1000.0
+        return attempt
+
+    def _note_routed(self, worker: WorkerState) -> None:
+        metrics.ROUTED.labels(worker.zone, str(self.router.ladder.is_degraded(worker.zone)).lower()).inc()
+        failures = self.failovers.failures
+        if failures:
+            self.router.resume_log.append((self.request_id, worker.worker_id, len(self.produced)))
+            log.info("request %s: attempt %d on worker %s from token %d",
+                     self.request_id, failures + 1, worker.worker_id, len(self.produced))
+
+    # ---- one attempt -----------------------------------------------------------------
+
+    async def _attempt(
+        self, attempt: _Attempt, request: common_pb2.TokenRequest
+    ) -> AsyncGenerator[Delta | Final, None]:
+        """One worker's deltas, then the request's Final (``done``); on a failure the
+        caller may move on, nothing more is yielded and the failure is recorded (or
+        raised, when the request cannot move on). The slot is released on the way out."""
+        worker = attempt.worker
+        stream = self.router._dispatchers[worker.address].submit(request, self.deadline)
+        self.active.stream = stream
+        finished = False
+        try:
+            async for event in stream.events():
+                if isinstance(event, common_pb2.TokenDelta):
+                    if event.token_ids or event.logprobs:
+                        self._delivered(event)
+                        yield Delta(event)
+                    continue
+                if self.active.aborted:
+                    finished = self.done = True
+                    yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker)
+                    return
+                _raise_engine_failure(event)
+                worker.breaker.record_success()
+                finished = self.done = True
+                _annotate(
+                    self.span, worker, stream, self.failovers.retries, self._resumes(),
+                    attempt.affinity, queue_ms=self.queue_ms, ttft_ms=(
+                        (self.first_token_at - self.start) * 1000.0
+                        if self.first_token_at is not None else None
+                    ),
+                )
+                yield self._final(event, worker)
+                return
+        except WorkerCallError as exc:
+            if self.active.aborted:
+                self.done = True
+                yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker)
+                return
+            self._failed(worker, exc)
+        finally:
+            self.active.stream = None
+            if not finished:
+                await stream.cancel()
+            self.router._release(attempt)
+
+    def _delivered(self, delta: common_pb2.TokenDelta) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.produced.extend(delta.token_ids)
+
+    def _failed(self, worker: WorkerState, exc: WorkerCallError) -> None:
+        """Account for an attempt that failed; raises when the request cannot move on."""
+        step = self.failovers.failed(exc.kind, delivered=bool(self.produced))
+        if step is Step.FAIL:
+            raise _caller_error(exc) from None
+        if exc.kind == "transport":
+            # Only the link or the worker failing moves the breaker; a worker whose
+            # probes still answer needs several failures in a row.
+            worker.breaker.record_failure(answering=worker.healthy)
+            self.router._on_worker_change(worker)
+        self.failed_workers.add(worker.address)
+        failures = self.failovers.failures
+        log.warning(
+            "request %s failed on worker %s (%s) after %d tokens; attempt %d of %d",
+            self.request_id, worker.worker_id, exc.code, len(self.produced), failures,
+            self.failovers.budget + 1,
+        )
+        if step is Step.EXHAUSTED:
+            raise Unavailable(f"request failed on {failures} attempts; last: {exc.message}") from None
+        metrics.FAILOVERS.labels(worker.zone).inc()
+        (metrics.RESUMES if step is Step.RESUME else metrics.RETRIES).inc()
+
+    # ---- the answer ------------------------------------------------------------------
+
+    def _resumes(self) -> int:
+        """Resumes of this request, counting the ones of the tiers upstream."""
+        return int(self.route.resumed) + self.failovers.resumes
+
+    def _final(self, final: common_pb2.TokenFinal, worker: WorkerState | None) -> Final:
         out = common_pb2.TokenFinal()
         out.CopyFrom(final)
-        out.prompt_tokens = len(prompt)
-        out.completion_tokens = len(produced)
+        out.prompt_tokens = len(self.prompt)
+        out.completion_tokens = len(self.produced)
         now = time.monotonic()
-        out.queue_ms = queue_ms + final.queue_ms
-        out.ttft_ms = ((first_token_at or now) - start) * 1000.0
-        out.total_ms = (now - start) * 1000.0
+        out.queue_ms = self.queue_ms + final.queue_ms
+        out.ttft_ms = ((self.first_token_at or now) - self.start) * 1000.0
+        out.total_ms = (now - self.start) * 1000.0
         zone = worker.zone if worker else ""
         served = ServedBy(
             worker_id=worker.worker_id if worker else "",
             zone=zone,
             device=worker.device if worker else "",
-            degraded=self.ladder.is_degraded(zone) if worker else False,
-            resumed=resumes,
+            degraded=self.router.ladder.is_degraded(zone) if worker else False,
+            resumed=self._resumes(),
         )
-        return Final(out, served, retries)
+        return Final(out, served, self.failovers.retries)
+
+
+def _raise_engine_failure(final: common_pb2.TokenFinal) -> None:
+    """An error or abort finish from the worker: the engine failed this request or the
+    worker is draining (its health says so). Try elsewhere, without blaming the worker."""
+    if final.finish_reason in (FINISH_ERROR, FINISH_ABORT):
+        raise WorkerCallError(
+            "failed", "ENGINE_" + common_pb2.EngineFinishReason.Name(final.finish_reason),
+            "worker ended the request",
+        )
 
 
 def _caller_error(exc: WorkerCallError) -> LlmeshError:

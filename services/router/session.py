@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import cast
 
 from opentelemetry import propagate, trace
 
@@ -121,9 +119,7 @@ class RouterSession(framing.FramedSession[Frame]):
             # Closing core.generate (by the timeout, or cancelled by an abort) aborts the
             # worker request.
             async with asyncio.timeout(submission.timeout_s):
-                # Router.generate is an async generator (typed as an iterator).
-                generation = cast(AsyncGenerator[Delta | Final, None],
-                                  self.router.generate(route, submission.timeout_s))
+                generation = self.router.generate(route, submission.timeout_s)
                 async with contextlib.aclosing(generation) as events:
                     async for event in events:
                         self._add(handle, event)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.retry import RetryPolicy
 from services.common.settings import ServerSettings
 
 
@@ -123,11 +124,14 @@ class RouterSettings(ServerSettings):
     run then equals an undisturbed one exactly; costs one decode step per delivered
     token), ``prefill`` appends them to the prompt (faster; vLLM's prefill kernels may
     round differently, so a long greedy continuation can drift)."""
-    max_retries: int = 3
-    """Further attempts (other workers) after a failure, before or after the first token."""
-    retry_base_backoff_ms: float = 20.0
-    """Base of the exponential backoff between attempts (full jitter)."""
-    retry_max_backoff_ms: float = 500.0
+    max_retries: int = Field(default=3, ge=0)
+    """Further attempts (other workers) after a failure, before or after the first token
+    (retries and resumes together; services/common/retry.py)."""
+    retry_base_backoff_ms: float = Field(default=20.0, ge=0.0)
+    """Base of the exponential backoff between attempts (full jitter: the pause after the
+    n-th failure is uniform between 0 and base x 2^(n-1)); a pause that would reach the
+    request's deadline fails it with DEADLINE_EXCEEDED at once."""
+    retry_max_backoff_ms: float = Field(default=500.0, ge=0.0)
     """Upper bound of the backoff between attempts."""
     batch_max_wait_ms: float = 5.0
     """Longest batching window under load; 0 turns batching windows off."""
@@ -141,6 +145,15 @@ class RouterSettings(ServerSettings):
     """Absolute slack (requests) of the affinity balance bound."""
     kv_weight: float = 1.0
     """Weight of KV-cache usage (0..1) against relative request load when scoring workers."""
+
+    def retry_policy(self) -> RetryPolicy:
+        """The retry/resume policy these settings give (the same type as the gateway's)."""
+        return RetryPolicy(
+            max_failovers=self.max_retries,
+            base_backoff_s=self.retry_base_backoff_ms / 1000.0,
+            max_backoff_s=self.retry_max_backoff_ms / 1000.0,
+            jitter=1.0,
+        )
 
     def all_workers(self) -> list[WorkerSpec]:
         """``workers`` plus the contents of ``workers_file``."""

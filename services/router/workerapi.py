@@ -12,6 +12,7 @@ from typing import Protocol
 
 from llmesh.common.v1 import common_pb2
 from services.common.errors import LlmeshError
+from services.common.retry import RETRYABLE_KINDS
 from services.router.registry import Load, WorkerInfo
 
 
@@ -29,7 +30,8 @@ class WorkerCallError(Exception):
     - ``deadline``: the caller's deadline passed -> tell the caller.
     """
 
-    RETRYABLE = frozenset({"transport", "failed", "overloaded"})
+    RETRYABLE = RETRYABLE_KINDS
+    """The kinds the retry policy moves to another worker (services/common/retry.py)."""
 
     def __init__(self, kind: str, code: str, message: str, error: LlmeshError | None = None) -> None:
         super().__init__(f"{code}: {message}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import grpc
 import pytest
@@ -193,6 +195,62 @@ async def test_resume_token_ids_from_upstream_are_not_resent() -> None:
         assert list(seen.prompt_token_ids) == [4, 4, 4]
         assert list(seen.replay_token_ids) == full[:3]
         assert seen.sampling.max_tokens == 5
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_a_failure_after_upstream_delivered_tokens_is_a_resume() -> None:
+    """The retry policy's rule: once the caller has tokens (here from an earlier router),
+    the next attempt continues from them and counts as a resume, even if the attempt that
+    failed had produced nothing itself."""
+    workers = await fakes("zone-a", "zone-b")
+    workers[0].worker.fail_before_first = 1
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        full = expected_tokens([4, 4, 4], 8)
+        tokens, final = await rut.generate([4, 4, 4], 8, resume=full[:3], resumed=1)
+        assert tokens == full[3:]
+        assert final.served_by.zone == "zone-b"
+        assert final.served_by.resumed == 2 and final.retries == 0
+        assert list(workers[1].worker.requests[-1].replay_token_ids) == full[:3]
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_max_retries_bounds_the_moves_then_unavailable() -> None:
+    from prometheus_client import REGISTRY
+
+    workers = await fakes("zone-a", "zone-a", "zone-b")
+    for w in workers:
+        w.worker.fail_before_first = 5
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], max_retries=1)
+    retries = REGISTRY.get_sample_value("llmesh_router_retries_total") or 0.0
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([1, 2], 2)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "failed on 2 attempts" in (err.value.details() or "")
+        # One move (counted), then the second failure spends the budget (not a move).
+        assert sum(5 - w.worker.fail_before_first for w in workers) == 2
+        assert REGISTRY.get_sample_value("llmesh_router_retries_total") == retries + 1
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_a_backoff_past_the_deadline_fails_deadline_exceeded_at_once() -> None:
+    workers = await fakes("zone-a", "zone-b")
+    workers[0].worker.fail_before_first = 1
+    rut = await start_router([(w.address, w.worker.zone) for w in workers],
+                             retry_base_backoff_ms=20_000, retry_max_backoff_ms=20_000)
+    # No jitter, so the pause is surely 20 s (full jitter could draw a short one).
+    rut.router.retry_policy = dataclasses.replace(rut.router.retry_policy, jitter=0.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([1, 2], 2, timeout=5)
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "while retrying" in (err.value.details() or "")
+        assert time.monotonic() - started < 4
     finally:
         await stop_all(rut, workers)
 
