@@ -125,6 +125,9 @@ class Sampling:
         lambda v: 0 <= v <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]")))
     """Top alternatives returned with each token's logprob (0: only the chosen token's).
     Unset: no logprobs."""
+    skip_reading_prefix_cache: bool | None = field(default=None, metadata=_meta(UNCONSTRAINED))
+    """Compute the prompt afresh rather than read it from the prefix cache (cached_tokens
+    is then 0). Unset: False."""
 
     def engine_values(self) -> dict[str, Any]:
         """The fields that are set and reach the engine, by vLLM's names."""
@@ -184,6 +187,7 @@ class SamplingOptions(TypedDict, total=False):
     ignore_eos: bool
     logprobs: int
     """Top logprobs per generated token (0 = only the chosen token's)."""
+    skip_reading_prefix_cache: bool
 
 
 def sampling_violations(s: Sampling, prefix: str = "sampling", vocab_size: int = 0) -> list[FieldViolation]:

@@ -46,6 +46,7 @@ EXAMPLES: dict[str, Any] = {
     "frequency_penalty": -0.5,
     "ignore_eos": True,
     "logprobs": 2,
+    "skip_reading_prefix_cache": True,
 }
 PUBLIC_FIELDS = [f.name for f in inference_pb2.SamplingParams.DESCRIPTOR.fields]
 NOT_FOR_ENGINE = {"stop"}
