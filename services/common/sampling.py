@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from services.common.errors import FieldViolation
+from services.common.violations import FieldViolation
 
 MAX_TEMPERATURE = 2.0
 """vLLM refuses temperature above 2."""

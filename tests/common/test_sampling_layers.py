@@ -168,3 +168,16 @@ def test_every_engine_field_reaches_vllm_sampling_params(name: str) -> None:
     engine._info = EngineInfo(max_model_len=64, vocab_size=100, max_num_seqs=1)
     params = engine.sampling_params(EngineRequest("r", (1, 2), Sampling(**{name: EXAMPLES[name]})))
     assert getattr(params, name) == EXAMPLES[name]
+
+
+def test_the_domain_types_import_no_grpc() -> None:
+    """The sampling type and the gateway's domain types stay transport-free (a fresh
+    interpreter, so nothing else this session imported counts)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, services.common.sampling, gateway.types; "
+            "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('google.protobuf')))")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.strip() == "[]"
