@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from gateway.types import (
     ChatTurn,
@@ -25,18 +24,13 @@ from llmesh.postprocess.v1 import postprocess_pb2
 from llmesh.router.v1 import router_pb2
 from llmesh.tokenizer.v1 import tokenizer_pb2
 from llmesh.v1 import inference_pb2
-
-_OPTIONAL_SAMPLING = (
-    "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "logprobs",
-)
+from services.common.sampling import ENGINE_FIELDS, FIELDS
+from services.common.sampling_convert import sampling_from_message, sampling_to_message
 
 
 def sampling_from_proto(msg: inference_pb2.SamplingParams) -> Sampling:
-    values: dict[str, Any] = {
-        name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)
-    }
-    return Sampling(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), **values)
+    """Every field of :class:`Sampling` from the public message (unset stays None)."""
+    return sampling_from_message(msg, FIELDS)
 
 
 def call_from_proto(msg: inference_pb2.GenerateRequest | inference_pb2.GenerateStreamRequest) -> GenerateCall:
@@ -56,12 +50,8 @@ def call_from_proto(msg: inference_pb2.GenerateRequest | inference_pb2.GenerateS
 
 
 def engine_sampling(s: Sampling) -> common_pb2.EngineSampling:
-    msg = common_pb2.EngineSampling(stop_token_ids=s.stop_token_ids)
-    for name in _OPTIONAL_SAMPLING:
-        value = getattr(s, name)
-        if value is not None:
-            setattr(msg, name, value)
-    return msg
+    """The set fields that reach the engine (stop strings do not)."""
+    return sampling_to_message(s, common_pb2.EngineSampling(), ENGINE_FIELDS)
 
 
 def token_request(g: TokenGeneration) -> common_pb2.TokenRequest:

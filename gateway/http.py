@@ -25,6 +25,7 @@ from gateway.tenants import Tenant
 from gateway.types import ChatTurn, Completion, GenerateCall, ModelMeta, Sampling, StreamOptions, TextDelta
 from services.common.errors import InvalidArgument, LlmeshError, NotFound, map_exception
 from services.common.limits import clip
+from services.common.sampling import FIELDS, FieldSpec
 from services.common.tracing import tracer
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,11 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defau
     return value
 
 
+_SPECIAL_SAMPLING = frozenset({"stop", "max_tokens", "logprobs"})
+"""Sampling fields whose OpenAI spelling differs from the domain's; every other field is
+read from the body under its own name by :func:`_json_value`."""
+
+
 def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -109,23 +115,36 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
         logprobs = _field(body, "top_logprobs", int, 0) if raw_logprobs else None
     elif raw_logprobs is not None:
         logprobs = _field(body, "logprobs", int)
-    number = (int, float)
+    values = {spec.name: _json_value(body, spec) for spec in FIELDS if spec.name not in _SPECIAL_SAMPLING}
     return Sampling(
-        temperature=_float(_field(body, "temperature", number)),
-        top_p=_float(_field(body, "top_p", number)),
-        top_k=_field(body, "top_k", int),
-        min_p=_float(_field(body, "min_p", number)),
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        min_tokens=_field(body, "min_tokens", int),
         stop=list(stop or []),
-        stop_token_ids=list(_field(body, "stop_token_ids", list, [])),
-        seed=_field(body, "seed", int),
-        repetition_penalty=_float(_field(body, "repetition_penalty", number)),
-        presence_penalty=_float(_field(body, "presence_penalty", number)),
-        frequency_penalty=_float(_field(body, "frequency_penalty", number)),
-        ignore_eos=_field(body, "ignore_eos", bool),
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         logprobs=logprobs,
+        **values,
     )
+
+
+def _json_value(body: dict[str, Any], spec: FieldSpec) -> Any:
+    """One sampling field from the JSON body under its own name (None or [] when absent)."""
+    if spec.repeated:
+        items = _field(body, spec.name, list, [])
+        if not all(_json_is(item, spec.kind) for item in items):
+            raise InvalidArgument(spec.name, f"must be a list of {_JSON_NAMES[spec.kind]}")
+        return [spec.kind(item) for item in items]
+    if spec.kind is float:
+        return _float(_field(body, spec.name, (int, float)))
+    return _field(body, spec.name, spec.kind)
+
+
+_JSON_NAMES = {float: "numbers", int: "integers", bool: "booleans", str: "strings"}
+
+
+def _json_is(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def _float(value: Any) -> float | None:

@@ -4,31 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The one sampling type every tier shares, re-exported for the gateway's modules.
+from services.common.sampling import Sampling as Sampling
+
 
 @dataclass(frozen=True)
 class ChatTurn:
     role: str
     content: str
-
-
-@dataclass
-class Sampling:
-    """Public sampling parameters; None means unset (model default)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    ignore_eos: bool | None = None
-    logprobs: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import re
 from gateway.types import GenerateCall, ModelMeta
 from services.common.errors import FieldViolation, InvalidArgument
 from services.common.limits import RequestLimits, check_text, clip
-from services.common.sampling_rules import MAX_LOGPROBS, sampling_violations
+from services.common.sampling import MAX_LOGPROBS, sampling_violations
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STREAM_INTERVAL = 256
@@ -102,8 +102,8 @@ def validate_call(call: GenerateCall, model: ModelMeta, limits: RequestLimits) -
     Expects :func:`validate_request` to have passed (sizes and counts are bounded)."""
     v: list[FieldViolation] = []
     s = call.sampling
-    # The engine's own bounds, shared with the worker (services/common/sampling_rules.py).
-    v += sampling_violations(s, "sampling")
+    # The engine's own bounds, shared with the worker (services/common/sampling.py).
+    v += sampling_violations(s, "sampling", vocab_size=model.vocab_size)
     if s.top_k is not None and model.vocab_size and s.top_k > model.vocab_size:
         v.append(FieldViolation("sampling.top_k", f"must be at most the vocabulary size {model.vocab_size}"))
     if s.max_tokens is not None and s.max_tokens >= max(1, model.max_context_length):
@@ -111,11 +111,6 @@ def validate_call(call: GenerateCall, model: ModelMeta, limits: RequestLimits) -
             "sampling.max_tokens",
             f"{s.max_tokens} does not fit the model's context of {model.max_context_length} tokens",
         ))
-    for i, token_id in enumerate(s.stop_token_ids):
-        if model.vocab_size and token_id >= model.vocab_size:
-            v.append(FieldViolation(
-                f"sampling.stop_token_ids[{i}]", f"{token_id} is outside the vocabulary ({model.vocab_size})"
-            ))
     if s.logprobs is not None and limits.max_logprobs < s.logprobs <= MAX_LOGPROBS:
         v.append(FieldViolation("sampling.logprobs", f"must be at most {limits.max_logprobs}"))
     if abs(call.priority) > limits.max_priority:

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypedDict, Unpack
+from typing import Any, Self, Unpack
 
 import grpc
 import grpc.aio
@@ -66,6 +66,7 @@ from grpc_status import rpc_status
 
 from llmesh import __version__
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
+from services.common.sampling import SamplingOptions
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 300.0
@@ -190,24 +191,16 @@ class ChatMessage:
 MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
 
 
-class GenerateOptions(TypedDict, total=False):
-    """Sampling and request options of ``generate``/``stream``; unset means model default."""
+class GenerateOptions(SamplingOptions, total=False):
+    """Sampling and request options of ``generate``/``stream``; unset means model default.
 
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    min_tokens: int
-    stop: str | Sequence[str]
-    stop_token_ids: Sequence[int]
-    seed: int
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    ignore_eos: bool
-    logprobs: int
-    """Top logprobs per generated token (0 = only the chosen token's)."""
+    The sampling keys are the fields of the public ``SamplingParams`` (typed in
+    :class:`services.common.sampling.SamplingOptions`): ``max_tokens``, ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``min_tokens``, ``stop`` (a string or a list),
+    ``stop_token_ids``, ``seed``, ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``, ``ignore_eos``, ``logprobs`` (top logprobs per generated token,
+    0 = only the chosen token's) and any field the proto gains."""
+
     priority: int
     """Higher is admitted first under load."""
     request_id: str
@@ -383,11 +376,9 @@ _FINISH_REASONS: dict[int, str] = {
     inference_pb2.FINISH_REASON_ERROR: "error",
 }
 
-# GenerateOptions keys that are fields of SamplingParams (the rest sit on the request).
-_SCALAR_SAMPLING = (
-    "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "logprobs",
-)
+# GenerateOptions keys that are fields of SamplingParams (the rest sit on the request),
+# taken from the public proto so a field it gains is an option with no change here.
+_SAMPLING_FIELDS = tuple(inference_pb2.SamplingParams.DESCRIPTOR.fields)
 
 
 def _to_message(item: MessageLike, index: int) -> inference_pb2.ChatMessage:
@@ -407,27 +398,26 @@ def _to_message(item: MessageLike, index: int) -> inference_pb2.ChatMessage:
 
 def _sampling(options: Mapping[str, Any]) -> inference_pb2.SamplingParams:
     sampling = inference_pb2.SamplingParams()
-    for name in _SCALAR_SAMPLING:
-        value = options.get(name)
-        if value is None:
+    for f in _SAMPLING_FIELDS:
+        value = options.get(f.name)
+        if f.is_repeated:
+            if not value:
+                continue
+            if isinstance(value, str):  # one stop string (a str is a sequence of them, too)
+                value = [value]
+        elif value is None:
             continue
         try:
-            setattr(sampling, name, value)
+            if f.is_repeated:
+                getattr(sampling, f.name).extend(list(value))
+            else:
+                setattr(sampling, f.name, value)
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"{name}: invalid value {value!r} ({exc})") from None
-    stop = options.get("stop")
-    if stop:
-        sampling.stop.extend([stop] if isinstance(stop, str) else list(stop))
-    stop_ids = options.get("stop_token_ids")
-    if stop_ids:
-        try:
-            sampling.stop_token_ids.extend(stop_ids)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"stop_token_ids: invalid value {stop_ids!r} ({exc})") from None
+            raise ValueError(f"{f.name}: invalid value {value!r} ({exc})") from None
     return sampling
 
 
-_KNOWN_OPTIONS = frozenset((*_SCALAR_SAMPLING, "stop", "stop_token_ids", "priority", "request_id"))
+_KNOWN_OPTIONS = frozenset((*(f.name for f in _SAMPLING_FIELDS), "priority", "request_id"))
 
 
 def _input_fields(

@@ -15,6 +15,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmesh.common.v1 import common_pb2
+from services.common.violations import FieldViolation
 
 
 class LlmeshError(Exception):
@@ -25,12 +26,6 @@ class LlmeshError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-
-
-@dataclass(frozen=True)
-class FieldViolation:
-    field: str
-    description: str
 
 
 class InvalidArgument(LlmeshError, ValueError):

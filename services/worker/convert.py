@@ -8,6 +8,8 @@ from typing import Any
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2
 from services.common.errors import request_error_to_proto
+from services.common.sampling import ENGINE_FIELDS
+from services.common.sampling_convert import sampling_from_message
 from services.worker.core import Delta, Failed, Final, LoadReport, WorkerIdentity
 from services.worker.engine import EngineInfo, EngineRequest, FinishReason, Sampling
 from services.worker.session import Frame, Submission
@@ -21,23 +23,8 @@ FINISH_REASONS: dict[FinishReason, Any] = {
 
 
 def sampling_from_proto(s: common_pb2.EngineSampling) -> Sampling:
-    """Unset optional fields keep the engine's defaults (proto3 presence, not zero)."""
-    d = Sampling()
-    return Sampling(
-        temperature=s.temperature if s.HasField("temperature") else d.temperature,
-        top_p=s.top_p if s.HasField("top_p") else d.top_p,
-        top_k=s.top_k if s.HasField("top_k") else d.top_k,
-        min_p=s.min_p if s.HasField("min_p") else d.min_p,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-        min_tokens=s.min_tokens if s.HasField("min_tokens") else d.min_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        seed=s.seed if s.HasField("seed") else None,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d.repetition_penalty,
-        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else d.presence_penalty,
-        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else d.frequency_penalty,
-        ignore_eos=s.ignore_eos if s.HasField("ignore_eos") else d.ignore_eos,
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-    )
+    """Unset optional fields stay None: the engine applies its defaults (proto3 presence, not zero)."""
+    return sampling_from_message(s, ENGINE_FIELDS)
 
 
 def request_from_proto(r: common_pb2.TokenRequest, adapter: str = "") -> EngineRequest:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common import sampling_rules
+from services.common import sampling
 from services.common.errors import FieldViolation, InvalidArgument, LlmeshError, NotFound, Unavailable
 from services.common.logs import request_id_var
 from services.worker import metrics
@@ -123,8 +123,8 @@ def sampling_violations(s: Sampling, info: EngineInfo, prompt_len: int, prefix: 
     def bad(name: str, description: str) -> None:
         v.append(FieldViolation(f"{p}.{name}", description))
 
-    v += sampling_rules.sampling_violations(s, p)
-    if s.logprobs is not None and info.max_logprobs < s.logprobs <= sampling_rules.MAX_LOGPROBS:
+    v += sampling.sampling_violations(s, p, vocab_size=info.vocab_size)
+    if s.logprobs is not None and info.max_logprobs < s.logprobs <= sampling.MAX_LOGPROBS:
         # This engine was started with a lower limit than vLLM's default: ask it, not the table.
         bad("logprobs", f"must be at most {info.max_logprobs} on this engine, got {s.logprobs}")
     if s.max_tokens is not None and s.max_tokens >= 1 and prompt_len + s.max_tokens > info.max_model_len:
@@ -133,11 +133,6 @@ def sampling_violations(s: Sampling, info: EngineInfo, prompt_len: int, prefix: 
             f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds the "
             f"max context length {info.max_model_len}",
         )
-    for i, token in enumerate(s.stop_token_ids):
-        if not 0 <= token < info.vocab_size:
-            bad(f"stop_token_ids[{i}]",
-                f"token id {token} is outside the vocabulary (size {info.vocab_size})")
-            break
     return v
 
 

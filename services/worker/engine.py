@@ -14,6 +14,9 @@ from typing import Protocol, runtime_checkable
 
 from services.common.errors import InvalidArgument
 
+# The one sampling type every tier shares (None: unset, the engine's default), re-exported.
+from services.common.sampling import Sampling as Sampling
+
 
 class FinishReason(enum.Enum):
     """Why the engine stopped one generation."""
@@ -26,28 +29,6 @@ class FinishReason(enum.Enum):
     """Aborted by the caller (Abort RPC, cancelled call, passed deadline)."""
     ERROR = "error"
     """The engine failed this request."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Engine sampling parameters (vLLM's names and defaults). Stop strings never get here."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 or -1 disables top-k."""
-    min_p: float = 0.0
-    max_tokens: int | None = None
-    """None: up to the context length."""
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    """Number of top alternatives to return with each token's logprob; None: no logprobs."""
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,8 @@ class FakeEngine:
             limit = min(limit, sampling.max_tokens)
         sequence = list(prompt)
         stops = set(sampling.stop_token_ids)
+        min_tokens = sampling.min_tokens or 0  # unset: the engine's default
+        ignore_eos = bool(sampling.ignore_eos)
         generated = 0
         ttft_ms: float | None = None
         prompt_tokens = len(prompt)
@@ -287,8 +289,8 @@ class FakeEngine:
                 raise EngineDeadError("fake engine killed")
             if rid in self._aborted:
                 continue
-            may_stop = generated >= sampling.min_tokens
-            if self.eos_after and generated >= self.eos_after and may_stop and not sampling.ignore_eos:
+            may_stop = generated >= min_tokens
+            if self.eos_after and generated >= self.eos_after and may_stop and not ignore_eos:
                 token = self.model.eos_token_id
             elif self.echo and request.prompt_token_ids:
                 source = request.prompt_token_ids
@@ -305,7 +307,7 @@ class FakeEngine:
             finish: FinishReason | None = None
             stop_id: int | None = None
             if may_stop and (
-                token in stops or (token == self.model.eos_token_id and not sampling.ignore_eos)
+                token in stops or (token == self.model.eos_token_id and not ignore_eos)
             ):
                 finish, stop_id = FinishReason.STOP, token
             elif generated >= limit:

@@ -180,32 +180,28 @@ class VllmEngine:
         await asyncio.to_thread(self.llm.shutdown)
 
     def sampling_params(self, request: EngineRequest) -> SamplingParams:
+        """The domain sampling as vLLM's: every set field under its own name (llmesh uses
+        vLLM's names; unset fields take vLLM's defaults), then the fields vLLM needs
+        otherwise: top_k -1 (vLLM takes 0 for disabled), the token budget of a resumed
+        request (its replayed tokens are generated first, as forced steps), and the
+        token-in/token-out output settings."""
         s = request.sampling
+        values = s.engine_values()
         replay = len(request.replay_token_ids)
         max_tokens = s.max_tokens
         if max_tokens is None:
             max_tokens = self._info.max_model_len - len(request.prompt_token_ids) - replay
-        extra_args = None
+        values["max_tokens"] = max_tokens + replay
+        values["min_tokens"] = (s.min_tokens or 0) + replay
+        if s.top_k == -1:
+            values["top_k"] = 0
         if replay:
             from services.worker.forced import EXTRA_ARG
 
-            extra_args = {EXTRA_ARG: list(request.replay_token_ids)}
+            values["extra_args"] = {EXTRA_ARG: list(request.replay_token_ids)}
         return SamplingParams(
             n=1,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=0 if s.top_k == -1 else s.top_k,
-            min_p=s.min_p,
-            max_tokens=max_tokens + replay,
-            min_tokens=s.min_tokens + replay,
-            extra_args=extra_args,
-            stop_token_ids=list(s.stop_token_ids),
-            seed=s.seed,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs,
+            **values,
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,

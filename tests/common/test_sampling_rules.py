@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from gateway.types import Sampling as Values  # the public sampling type: None means unset
-from services.common import sampling_rules
-from services.common.sampling_rules import sampling_violations
+from services.common import sampling as sampling_rules
+from services.common.sampling import Sampling as Values  # None means unset
+from services.common.sampling import sampling_violations
 
 vllm = pytest.importorskip("vllm")
 

@@ -87,6 +87,21 @@ async def test_unset_temperature_is_the_gateways_default_greedy(engine_channel):
     assert "Paris" in first.text
 
 
+async def test_skip_reading_prefix_cache_through_the_public_api(engine_channel):
+    """sampling.skip_reading_prefix_cache crosses gateway, router and worker to vLLM: the
+    same long prompt is read from the prefix cache unless the request says not to."""
+    s = stub(engine_channel)
+    prompt = "Ledger line: account, amount, currency, value date. " * 40
+    kwargs = {"prompt": prompt, "sampling": {"max_tokens": 2, "temperature": 0.0}}
+    warm = await s.Generate(request(**kwargs))
+    skipped = await s.Generate(request(prompt=prompt, sampling={
+        "max_tokens": 2, "temperature": 0.0, "skip_reading_prefix_cache": True}))
+    cached = await s.Generate(request(**kwargs))
+    assert warm.usage.prompt_tokens == skipped.usage.prompt_tokens > 256
+    assert skipped.usage.cached_tokens == 0, skipped.usage
+    assert cached.usage.cached_tokens >= cached.usage.prompt_tokens // 2, cached.usage
+
+
 async def test_client_cancel_frees_the_engine(engine_channel, engine_mesh):
     address = _worker_address(engine_mesh)
     s = stub(engine_channel)

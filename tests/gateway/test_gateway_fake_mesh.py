@@ -105,6 +105,17 @@ async def test_validation_names_the_field(fake_channel, fields, field):
         assert field in violations(err.value), (call, violations(err.value))
 
 
+async def test_skip_reading_prefix_cache_is_served(fake_channel):
+    """The fake engine keeps no per-request KV cache (tests/common/test_sampling_layers.py
+    follows the flag into its request; the real engine's effect is tested in the engine
+    suites): the flag is accepted by every tier and changes nothing about a greedy answer."""
+    s = stub(fake_channel)
+    plain = await s.Generate(request(prompt="Hello there", sampling={"max_tokens": 6}), metadata=AUTH)
+    skipped = await s.Generate(request(prompt="Hello there", sampling={
+        "max_tokens": 6, "skip_reading_prefix_cache": True}), metadata=AUTH)
+    assert skipped.text == plain.text and skipped.usage.completion_tokens == 6
+
+
 async def test_unknown_model_is_not_found(fake_channel):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub(fake_channel).Generate(request(model="gpt-9", prompt="x"), metadata=AUTH)

@@ -43,3 +43,21 @@ def test_completions_streamed_equals_non_streamed(engine_mesh: Mesh) -> None:
     chunks = list(api.completions.create(model="", prompt=prompt, temperature=0, max_tokens=8, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == unary.choices[0].text
     assert {c.model for c in chunks} == {engine_mesh.model_name}
+
+
+def test_skip_reading_prefix_cache_under_its_own_name(engine_mesh: Mesh) -> None:
+    """The JSON body takes skip_reading_prefix_cache under the proto's name (as vLLM's own
+    server does); the engine then computes a cached prompt afresh."""
+    api = client(engine_mesh)
+    prompt = "Statement of account, line by line, with value dates. " * 40
+
+    def cached_tokens(**extra: object) -> int:
+        reply = api.completions.create(model="", prompt=prompt, temperature=0, max_tokens=2,
+                                       extra_body=extra or None)
+        assert reply.usage is not None and reply.usage.prompt_tokens > 256
+        details = reply.usage.prompt_tokens_details
+        return (details.cached_tokens or 0) if details is not None else 0
+
+    cached_tokens()  # warm the cache
+    assert cached_tokens(skip_reading_prefix_cache=True) == 0
+    assert cached_tokens() > 0

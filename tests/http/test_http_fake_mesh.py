@@ -199,6 +199,27 @@ def test_bad_parameter_is_400_naming_the_field(http_fake_mesh: Mesh, extra: dict
     assert "sampling." not in error["message"]
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"skip_reading_prefix_cache": "yes"}, "skip_reading_prefix_cache"),
+    ({"stop_token_ids": ["x"]}, "stop_token_ids"),
+    ({"top_k": 1.5}, "top_k"),
+])
+def test_bad_llmesh_parameter_is_400_naming_the_field(http_fake_mesh: Mesh, extra: dict[str, Any],
+                                                     param: str) -> None:
+    """Sampling fields OpenAI does not define are read under the proto's names too."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client(http_fake_mesh).chat.completions.create(
+            messages=HELLO, model=http_fake_mesh.model_name, extra_body=extra)
+    assert _error_shape(info.value)["param"] == param
+
+
+def test_llmesh_parameters_are_taken(http_fake_mesh: Mesh) -> None:
+    reply = client(http_fake_mesh).completions.create(
+        model="", prompt="Hello", max_tokens=4, temperature=0,
+        extra_body={"skip_reading_prefix_cache": True, "top_k": 5, "ignore_eos": True})
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+
+
 def test_bad_completion_parameters(http_fake_mesh: Mesh) -> None:
     api = client(http_fake_mesh)
     with pytest.raises(openai.BadRequestError) as info:

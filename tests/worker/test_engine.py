@@ -286,6 +286,33 @@ async def test_prefix_cache_reports_cached_tokens_and_engine_timings(mesh: Mesh)
         assert 0 < load.prefix_cache_hit_rate <= 1
 
 
+async def test_skip_reading_prefix_cache_computes_the_prompt_afresh(mesh: Mesh) -> None:
+    """skip_reading_prefix_cache reaches vLLM. The tiny DeepSeek takes it and answers as
+    without it (vLLM's CPU backend turns prefix caching off for MLA models, so there is
+    nothing to skip there); on SmolLM2 a prompt the cache holds is computed afresh
+    (cached_tokens 0) when the request asks, and read from the cache when it does not."""
+    deepseek = mesh.deepseek
+    channel, stub = stub_for(deepseek)
+    async with channel:
+        plain, _ = await generate(stub, greedy("skip-ds-0", deepseek.solo[0]))
+        skipped, final = await generate(stub, greedy("skip-ds-1", deepseek.solo[0],
+                                                     skip_reading_prefix_cache=True))
+    assert skipped == plain == deepseek.reference["solo"][0]
+    assert final.cached_tokens == 0
+    channel, stub = stub_for(mesh.smollm)
+    prompt = [1000 + (i * 41) % 20000 for i in range(320)]
+    async with channel:
+        finals = []
+        for i, skip in enumerate((None, True, False)):
+            extra = {} if skip is None else {"skip_reading_prefix_cache": skip}
+            _, final = await generate(stub, greedy(f"skip-sm-{i}", prompt, max_tokens=2, **extra), 120)
+            finals.append(final)
+    warm, skipped_final, cached = finals
+    assert warm.prompt_tokens == skipped_final.prompt_tokens == cached.prompt_tokens == len(prompt)
+    assert skipped_final.cached_tokens == 0, skipped_final
+    assert cached.cached_tokens >= len(prompt) // 2, cached
+
+
 async def test_batch_returns_n_correct_streams(mesh: Mesh) -> None:
     case = mesh.deepseek
     channel, stub = stub_for(case)
