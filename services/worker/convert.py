@@ -81,17 +81,23 @@ def submission_from_proto(sub: worker_pb2.SessionSubmit, adapter: str | Exceptio
 
 
 def frame_to_proto(frame: Frame) -> worker_pb2.SessionResponse:
-    """One frame in column layout: handles, token counts and the token ids back to back."""
-    out = worker_pb2.SessionResponse()
-    for handle, token_ids, logprobs in frame.tokens:
-        out.handles.append(handle)
-        out.token_counts.append(len(token_ids))
-        out.token_ids.extend(token_ids)
-        if logprobs is not None:
-            out.logprobs.append(worker_pb2.SessionLogprobs(
-                handle=handle, logprobs=logprobs_to_proto(logprobs)))
-    for handle, final in frame.finals:
-        out.finals.append(worker_pb2.SessionFinal(handle=handle, final=final_to_proto(final)))
-    for handle, error in frame.errors:
-        out.errors.append(worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
-    return out
+    """One frame in column layout: handles, token counts and the token ids back to back
+    (each column built as a list and handed to the message whole)."""
+    tokens = frame.tokens
+    return worker_pb2.SessionResponse(
+        handles=[handle for handle, _, _ in tokens],
+        token_counts=[len(token_ids) for _, token_ids, _ in tokens],
+        token_ids=[token for _, token_ids, _ in tokens for token in token_ids],
+        logprobs=[
+            worker_pb2.SessionLogprobs(handle=handle, logprobs=logprobs_to_proto(logprobs))
+            for handle, _, logprobs in tokens if logprobs is not None
+        ],
+        finals=[
+            worker_pb2.SessionFinal(handle=handle, final=final_to_proto(final))
+            for handle, final in frame.finals
+        ],
+        errors=[
+            worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error))
+            for handle, error in frame.errors
+        ],
+    )
