@@ -24,8 +24,10 @@ from llmesh.postprocess.v1 import postprocess_pb2
 from llmesh.router.v1 import router_pb2
 from llmesh.tokenizer.v1 import tokenizer_pb2
 from llmesh.v1 import inference_pb2
-from services.common.sampling import ENGINE_FIELDS, FIELDS
-from services.common.sampling_convert import sampling_from_message, sampling_to_message
+from services.common import generation_convert
+from services.common.generation import TokenRequest
+from services.common.sampling import FIELDS
+from services.common.sampling_convert import sampling_from_message
 
 
 def sampling_from_proto(msg: inference_pb2.SamplingParams) -> Sampling:
@@ -51,14 +53,14 @@ def call_from_proto(msg: inference_pb2.GenerateRequest | inference_pb2.GenerateS
 
 def engine_sampling(s: Sampling) -> common_pb2.EngineSampling:
     """The set fields that reach the engine (stop strings do not)."""
-    return sampling_to_message(s, common_pb2.EngineSampling(), ENGINE_FIELDS)
+    return generation_convert.sampling_to_proto(s)
 
 
 def token_request(g: TokenGeneration) -> common_pb2.TokenRequest:
-    return common_pb2.TokenRequest(
-        request_id=g.request_id, model=g.model, prompt_token_ids=g.prompt_token_ids,
-        sampling=engine_sampling(g.sampling), priority=g.priority,
-    )
+    return generation_convert.request_to_proto(TokenRequest(
+        request_id=g.request_id, model=g.model, prompt_token_ids=tuple(g.prompt_token_ids),
+        sampling=g.sampling, priority=g.priority,
+    ))
 
 
 def router_generate_request(g: TokenGeneration, resume_token_ids: list[int], resumed: int
@@ -101,19 +103,11 @@ def logprobs_to_public(items: Iterable[TokenLogprob]) -> list[inference_pb2.Toke
     ]
 
 
-_ENGINE_FINISH = {
-    common_pb2.ENGINE_FINISH_REASON_STOP: "stop",
-    common_pb2.ENGINE_FINISH_REASON_LENGTH: "length",
-    common_pb2.ENGINE_FINISH_REASON_ABORT: "abort",
-    common_pb2.ENGINE_FINISH_REASON_ERROR: "error",
-}
-
-
 def router_final(msg: router_pb2.RouterFinal) -> RouterFinal:
     f = msg.final
     sb = msg.served_by
     return RouterFinal(
-        finish_reason=_ENGINE_FINISH.get(f.finish_reason, "error"),
+        finish_reason=generation_convert.finish_from_proto(f.finish_reason).value,
         prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
         cached_tokens=f.cached_tokens, queue_ms=f.queue_ms, ttft_ms=f.ttft_ms,
         served_by=ServedBy(worker_id=sb.worker_id, zone=sb.zone, device=sb.device,

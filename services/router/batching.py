@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import propagate
 
-from llmesh.common.v1 import common_pb2
+from services.common.generation import Delta, Final, TokenRequest
 from services.common.logs import request_id_var
 from services.router.workerapi import (
     SessionSubmit,
@@ -96,7 +96,7 @@ class AttemptStream:
     """Its handle in the worker session (``worker_transport: session``)."""
     traceparent: str = ""
     """The submitting request's trace context, captured where it was submitted."""
-    submitted: tuple[common_pb2.TokenRequest, float | None] | None = None
+    submitted: tuple[TokenRequest, float | None] | None = None
     """(request, deadline) while it waits for its first event on a worker session: a
     worker without Session (an older release) takes it again over a call."""
     done: bool = False
@@ -106,7 +106,7 @@ class AttemptStream:
     def push(self, item: object) -> None:
         if not self.done and not self.cancelled:
             self.queue.put_nowait(item)
-            if isinstance(item, common_pb2.TokenFinal) or item is _END or isinstance(
+            if isinstance(item, Final) or item is _END or isinstance(
                 item, BaseException
             ):
                 self.done = True
@@ -119,9 +119,9 @@ class AttemptStream:
                 raise item
             if item is _END:
                 raise WorkerCallError("transport", "UNAVAILABLE", "worker stream ended without a final")
-            assert isinstance(item, common_pb2.TokenDelta | common_pb2.TokenFinal)
+            assert isinstance(item, Delta | Final)
             yield item
-            if isinstance(item, common_pb2.TokenFinal):
+            if isinstance(item, Final):
                 return
 
     async def cancel(self) -> None:
@@ -162,7 +162,7 @@ class BatchDispatcher:
         self.window = window
         self._pressure = pressure
         self._observer = observer
-        self._pending: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]] = []
+        self._pending: list[tuple[AttemptStream, TokenRequest, float | None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._live: set[AttemptStream] = set()
@@ -194,7 +194,7 @@ class BatchDispatcher:
     def queued(self) -> int:
         return len(self._pending)
 
-    def submit(self, request: common_pb2.TokenRequest, deadline: float | None) -> AttemptStream:
+    def submit(self, request: TokenRequest, deadline: float | None) -> AttemptStream:
         """Queue ``request`` (``deadline`` is a ``time.monotonic()`` instant or None)."""
         stream = AttemptStream(request.request_id, self)
         if self.session:
@@ -248,7 +248,7 @@ class BatchDispatcher:
         return max(0.0, deadline - time.monotonic())
 
     async def _run_single(
-        self, stream: AttemptStream, request: common_pb2.TokenRequest, deadline: float | None
+        self, stream: AttemptStream, request: TokenRequest, deadline: float | None
     ) -> None:
         try:
             async for _, event in self.client.generate(request, self._timeout(deadline)):
@@ -265,7 +265,7 @@ class BatchDispatcher:
             stream.push(WorkerCallError("transport", "INTERNAL", type(exc).__name__))
 
     async def _run_batch(
-        self, batch: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]]
+        self, batch: list[tuple[AttemptStream, TokenRequest, float | None]]
     ) -> None:
         # This task was created in the first request's context: its logs speak for all.
         request_id_var.set(",".join(stream.request_id for stream, _, _ in batch))
@@ -297,7 +297,7 @@ class BatchDispatcher:
 
     # ---- session transport ----------------------------------------------------------
 
-    def _send_session(self, batch: list[tuple[AttemptStream, common_pb2.TokenRequest, float | None]]) -> None:
+    def _send_session(self, batch: list[tuple[AttemptStream, TokenRequest, float | None]]) -> None:
         """One message with every submission of the window; frames come back per step."""
         if self._link is None:
             self._link = self.client.open_session()
@@ -324,7 +324,7 @@ class BatchDispatcher:
                     continue  # cancelled or aborted by us: late output is dropped
                 stream.submitted = None
                 stream.push(event)
-                if not isinstance(event, common_pb2.TokenDelta):
+                if not isinstance(event, Delta):
                     del self._by_handle[handle]
         except WorkerCallError as exc:
             error = exc

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from llmesh.router.v1 import router_pb2
+from services.common import generation_convert
 from services.common.errors import InvalidArgument, LlmeshError, request_error_to_proto
+from services.common.generation import Delta
+from services.common.generation_convert import logprobs_to_proto
 from services.router.breaker import Circuit
-from services.router.core import Delta, Final, RouteRequest
+from services.router.core import RouteRequest, RouterFinal
 from services.router.registry import WorkerState
 from services.router.routing import ZoneLadder
 from services.router.session import Frame, Submission
@@ -19,23 +22,23 @@ CIRCUIT_PROTO = {
 
 def route_request_from_proto(message: router_pb2.GenerateRequest) -> RouteRequest:
     return RouteRequest(
-        request=message.request,
+        request=generation_convert.request_from_proto(message.request),
         resume_token_ids=tuple(message.resume_token_ids),
         resumed=message.resumed,
         tenant=message.tenant,
     )
 
 
-def response_to_proto(event: Delta | Final) -> router_pb2.GenerateResponse:
+def response_to_proto(event: Delta | RouterFinal) -> router_pb2.GenerateResponse:
     if isinstance(event, Delta):
-        return router_pb2.GenerateResponse(delta=event.delta)
+        return router_pb2.GenerateResponse(delta=generation_convert.delta_to_proto(event))
     return router_pb2.GenerateResponse(final=final_to_proto(event))
 
 
-def final_to_proto(event: Final) -> router_pb2.RouterFinal:
+def final_to_proto(event: RouterFinal) -> router_pb2.RouterFinal:
     served = event.served_by
     return router_pb2.RouterFinal(
-        final=event.final,
+        final=generation_convert.final_to_proto(event.final),
         served_by=router_pb2.ServedBy(
             worker_id=served.worker_id, zone=served.zone, device=served.device,
             degraded=served.degraded, resumed=served.resumed,
@@ -59,19 +62,26 @@ def submission_from_proto(sub: router_pb2.SessionSubmit) -> Submission:
 
 
 def frame_to_proto(frame: Frame) -> router_pb2.SessionResponse:
-    """One frame in column layout: handles, token counts and the token ids back to back."""
-    out = router_pb2.SessionResponse()
-    for handle, tokens in frame.tokens.items():
-        out.handles.append(handle)
-        out.token_counts.append(len(tokens.token_ids))
-        out.token_ids.extend(tokens.token_ids)
-        if tokens.logprobs:
-            out.logprobs.append(router_pb2.SessionLogprobs(handle=handle, logprobs=tokens.logprobs))
-    for handle, final in frame.finals:
-        out.finals.append(router_pb2.SessionFinal(handle=handle, final=final_to_proto(final)))
-    for handle, error in frame.errors:
-        out.errors.append(router_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
-    return out
+    """One frame in column layout: handles, token counts and the token ids back to back
+    (each column built as a list and handed to the message whole)."""
+    tokens = frame.tokens.values()
+    return router_pb2.SessionResponse(
+        handles=list(frame.tokens),
+        token_counts=[len(t.token_ids) for t in tokens],
+        token_ids=[token for t in tokens for token in t.token_ids],
+        logprobs=[
+            router_pb2.SessionLogprobs(handle=handle, logprobs=logprobs_to_proto(t.logprobs))
+            for handle, t in frame.tokens.items() if t.logprobs
+        ],
+        finals=[
+            router_pb2.SessionFinal(handle=handle, final=final_to_proto(final))
+            for handle, final in frame.finals
+        ],
+        errors=[
+            router_pb2.SessionError(handle=handle, error=request_error_to_proto(error))
+            for handle, error in frame.errors
+        ],
+    )
 
 
 def worker_status_to_proto(worker: WorkerState, ladder: ZoneLadder) -> router_pb2.WorkerStatus:

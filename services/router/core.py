@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from llmesh.common.v1 import common_pb2
 from services.common.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -30,6 +30,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.common.generation import Delta, Final, FinishReason, ServedBy, TokenRequest
 from services.common.logs import request_id_var
 from services.common.retry import Step
 from services.router import metrics
@@ -44,11 +45,6 @@ from services.router.workerapi import WorkerCallError, WorkerClient
 
 log = logging.getLogger(__name__)
 
-FINISH_STOP = common_pb2.ENGINE_FINISH_REASON_STOP
-FINISH_LENGTH = common_pb2.ENGINE_FINISH_REASON_LENGTH
-FINISH_ABORT = common_pb2.ENGINE_FINISH_REASON_ABORT
-FINISH_ERROR = common_pb2.ENGINE_FINISH_REASON_ERROR
-
 CIRCUIT_CODES = {Circuit.CLOSED: 0, Circuit.OPEN: 1, Circuit.HALF_OPEN: 2}
 
 
@@ -56,7 +52,7 @@ CIRCUIT_CODES = {Circuit.CLOSED: 0, Circuit.OPEN: 1, Circuit.HALF_OPEN: 2}
 class RouteRequest:
     """One generation as the router receives it."""
 
-    request: common_pb2.TokenRequest
+    request: TokenRequest
     resume_token_ids: tuple[int, ...] = ()
     """Tokens an earlier router already delivered: appended to the prompt, not re-sent."""
     resumed: int = 0
@@ -65,22 +61,11 @@ class RouteRequest:
 
 
 @dataclass(frozen=True)
-class ServedBy:
-    worker_id: str
-    zone: str
-    device: str
-    degraded: bool
-    resumed: int
+class RouterFinal:
+    """The router's end of one request: the worker's final (counts and times over every
+    attempt), who served it and how many attempts failed before the first token."""
 
-
-@dataclass(frozen=True)
-class Delta:
-    delta: common_pb2.TokenDelta
-
-
-@dataclass(frozen=True)
-class Final:
-    final: common_pb2.TokenFinal
+    final: Final
     served_by: ServedBy
     retries: int
 
@@ -390,12 +375,12 @@ class Router:
         stream = active.stream
         if stream is not None:
             await stream.cancel()
-            stream.queue.put_nowait(common_pb2.TokenFinal(finish_reason=FINISH_ABORT))
+            stream.queue.put_nowait(Final(FinishReason.ABORT))
         return True
 
     def generate(
         self, route: RouteRequest, timeout: float | None = None
-    ) -> AsyncGenerator[Delta | Final, None]:
+    ) -> AsyncGenerator[Delta | RouterFinal, None]:
         """Stream deltas then one Final, retrying before and resuming after the first token.
 
         An async generator: nothing runs (not even validation) until it is iterated, and
@@ -439,7 +424,7 @@ class _AttemptLoop:
 
     # ---- the loop --------------------------------------------------------------------
 
-    async def run(self) -> AsyncGenerator[Delta | Final, None]:
+    async def run(self) -> AsyncGenerator[Delta | RouterFinal, None]:
         """Attempts until one yields the final: after a failed one, the policy's pause
         (never into the deadline), then the next worker."""
         self._begin()
@@ -450,12 +435,12 @@ class _AttemptLoop:
                 request = self._attempt_request()
                 if request is None:
                     # max_tokens was spent before the failure: nothing left to generate.
-                    yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_LENGTH), None)
+                    yield self._final(Final(FinishReason.LENGTH), None)
                     return
                 attempt = await self._acquire()
                 if self.active.aborted:  # aborted while it waited for a worker
                     router._release(attempt)
-                    yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_ABORT), None)
+                    yield self._final(Final(FinishReason.ABORT), None)
                     return
                 self._note_routed(attempt.worker)
                 async with contextlib.aclosing(self._attempt(attempt, request)) as events:
@@ -483,30 +468,30 @@ class _AttemptLoop:
         self.key = prefix_key(self.prompt, router.settings.affinity_prefix_tokens)
         self.span = _current_span()
 
-    def _attempt_request(self) -> common_pb2.TokenRequest | None:
+    def _attempt_request(self) -> TokenRequest | None:
         """What the next attempt sends: the tokens delivered so far replayed (or appended
         to the prompt), the token budgets less what they already cover; None when
         max_tokens was spent before the failure."""
         request, produced = self.request, self.produced
         sampling = request.sampling
-        remaining = sampling.max_tokens - len(produced) if sampling.HasField("max_tokens") else None
+        remaining = sampling.max_tokens - len(produced) if sampling.max_tokens is not None else None
         if remaining is not None and remaining <= 0 and produced:
             return None
+        attempt_sampling = dataclasses.replace(
+            sampling,
+            max_tokens=None if remaining is None else max(0, remaining),
+            min_tokens=None if sampling.min_tokens is None else max(0, sampling.min_tokens - len(produced)),
+        )
         replay = self.router.settings.resume_mode != "prefill"
         failures = self.failovers.failures
-        attempt_request = common_pb2.TokenRequest(
+        return TokenRequest(
             request_id=self.request_id if failures == 0 else f"{self.request_id}~{failures}",
             model=self.model,
-            prompt_token_ids=self.prompt if replay else self.prompt + produced,
-            replay_token_ids=produced if replay else [],
+            prompt_token_ids=tuple(self.prompt if replay else self.prompt + produced),
+            sampling=attempt_sampling,
             priority=request.priority,
+            replay_token_ids=tuple(produced) if replay else (),
         )
-        attempt_request.sampling.CopyFrom(sampling)
-        if remaining is not None:
-            attempt_request.sampling.max_tokens = max(0, remaining)
-        if sampling.HasField("min_tokens"):
-            attempt_request.sampling.min_tokens = max(0, sampling.min_tokens - len(produced))
-        return attempt_request
 
     async def _acquire(self) -> _Attempt:
         """A worker slot, queueing in admission if none is free."""
@@ -534,8 +519,8 @@ class _AttemptLoop:
     # ---- one attempt -----------------------------------------------------------------
 
     async def _attempt(
-        self, attempt: _Attempt, request: common_pb2.TokenRequest
-    ) -> AsyncGenerator[Delta | Final, None]:
+        self, attempt: _Attempt, request: TokenRequest
+    ) -> AsyncGenerator[Delta | RouterFinal, None]:
         """One worker's deltas, then the request's Final (``done``); on a failure the
         caller may move on, nothing more is yielded and the failure is recorded (or
         raised, when the request cannot move on). The slot is released on the way out."""
@@ -545,14 +530,14 @@ class _AttemptLoop:
         finished = False
         try:
             async for event in stream.events():
-                if isinstance(event, common_pb2.TokenDelta):
+                if isinstance(event, Delta):
                     if event.token_ids or event.logprobs:
                         self._delivered(event)
-                        yield Delta(event)
+                        yield event
                     continue
                 if self.active.aborted:
                     finished = self.done = True
-                    yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker)
+                    yield self._final(Final(FinishReason.ABORT), worker)
                     return
                 _raise_engine_failure(event)
                 worker.breaker.record_success()
@@ -569,7 +554,7 @@ class _AttemptLoop:
         except WorkerCallError as exc:
             if self.active.aborted:
                 self.done = True
-                yield self._final(common_pb2.TokenFinal(finish_reason=FINISH_ABORT), worker)
+                yield self._final(Final(FinishReason.ABORT), worker)
                 return
             self._failed(worker, exc)
         finally:
@@ -578,7 +563,7 @@ class _AttemptLoop:
                 await stream.cancel()
             self.router._release(attempt)
 
-    def _delivered(self, delta: common_pb2.TokenDelta) -> None:
+    def _delivered(self, delta: Delta) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.produced.extend(delta.token_ids)
@@ -611,15 +596,18 @@ class _AttemptLoop:
         """Resumes of this request, counting the ones of the tiers upstream."""
         return int(self.route.resumed) + self.failovers.resumes
 
-    def _final(self, final: common_pb2.TokenFinal, worker: WorkerState | None) -> Final:
-        out = common_pb2.TokenFinal()
-        out.CopyFrom(final)
-        out.prompt_tokens = len(self.prompt)
-        out.completion_tokens = len(self.produced)
+    def _final(self, final: Final, worker: WorkerState | None) -> RouterFinal:
+        """The worker's final (finish reason, stop token, cached tokens) with this
+        router's counts and times, which span every attempt."""
         now = time.monotonic()
-        out.queue_ms = self.queue_ms + final.queue_ms
-        out.ttft_ms = ((self.first_token_at or now) - self.start) * 1000.0
-        out.total_ms = (now - self.start) * 1000.0
+        out = dataclasses.replace(
+            final,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=len(self.produced),
+            queue_ms=self.queue_ms + final.queue_ms,
+            ttft_ms=((self.first_token_at or now) - self.start) * 1000.0,
+            total_ms=(now - self.start) * 1000.0,
+        )
         zone = worker.zone if worker else ""
         served = ServedBy(
             worker_id=worker.worker_id if worker else "",
@@ -628,15 +616,15 @@ class _AttemptLoop:
             degraded=self.router.ladder.is_degraded(zone) if worker else False,
             resumed=self._resumes(),
         )
-        return Final(out, served, self.failovers.retries)
+        return RouterFinal(out, served, self.failovers.retries)
 
 
-def _raise_engine_failure(final: common_pb2.TokenFinal) -> None:
+def _raise_engine_failure(final: Final) -> None:
     """An error or abort finish from the worker: the engine failed this request or the
     worker is draining (its health says so). Try elsewhere, without blaming the worker."""
-    if final.finish_reason in (FINISH_ERROR, FINISH_ABORT):
+    if final.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
         raise WorkerCallError(
-            "failed", "ENGINE_" + common_pb2.EngineFinishReason.Name(final.finish_reason),
+            "failed", "ENGINE_" + final.finish_reason.name,
             "worker ended the request",
         )
 

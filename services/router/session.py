@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 from opentelemetry import propagate, trace
 
-from llmesh.common.v1 import common_pb2
 from services.common import framing
 from services.common.errors import LlmeshError
+from services.common.generation import Delta, TokenLogprob
 from services.common.tracing import tracer
-from services.router.core import Delta, Final, Router, RouteRequest
+from services.router.core import Router, RouteRequest, RouterFinal
 
 Submission = framing.Submission[RouteRequest | LlmeshError]
 """One request submitted to a session: the request, or why it could not even be read
@@ -42,7 +42,7 @@ class FrameTokens:
     """New tokens of one request in a frame (several deltas of one tick are merged)."""
 
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Frame:
 
     tokens: dict[int, FrameTokens] = field(default_factory=dict)
     """Handle -> new tokens, in the order the handles first produced some."""
-    finals: list[tuple[int, Final]] = field(default_factory=list)
+    finals: list[tuple[int, RouterFinal]] = field(default_factory=list)
     errors: list[tuple[int, Exception]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -94,13 +94,14 @@ class RouterSession(framing.FramedSession[Frame]):
     def _add_error(self, frame: Frame, handle: int, error: Exception) -> None:
         frame.errors.append((handle, error))
 
-    def _add(self, handle: int, event: Delta | Final) -> None:
+    def _add(self, handle: int, event: Delta | RouterFinal) -> None:
         if isinstance(event, Delta):
             tokens = self._frame.tokens.get(handle)
             if tokens is None:
                 tokens = self._frame.tokens[handle] = FrameTokens()
-            tokens.token_ids.extend(event.delta.token_ids)
-            tokens.logprobs.extend(event.delta.logprobs)
+            tokens.token_ids.extend(event.token_ids)
+            if event.logprobs:
+                tokens.logprobs.extend(event.logprobs)
         else:
             self._frame.finals.append((handle, event))
         self._schedule()

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmesh.common.v1 import common_pb2
 from services.common.errors import LlmeshError
+from services.common.generation import Delta, Final, TokenRequest
 from services.common.retry import RETRYABLE_KINDS
 from services.router.registry import Load, WorkerInfo
 
@@ -46,7 +46,7 @@ class WorkerCallError(Exception):
         return self.kind in self.RETRYABLE
 
 
-StreamEvent = common_pb2.TokenDelta | common_pb2.TokenFinal
+StreamEvent = Delta | Final
 """What one request's stream delivers: deltas, then one final."""
 WorkerEvent = StreamEvent | WorkerCallError
 """What a worker call yields per request; a WorkerCallError ends that request alone."""
@@ -57,7 +57,7 @@ class SessionSubmit:
     """One request sent over a worker session."""
 
     handle: int
-    request: common_pb2.TokenRequest
+    request: TokenRequest
     timeout_s: float | None
     traceparent: str = ""
 
@@ -83,13 +83,13 @@ class WorkerClient(Protocol):
     address: str
 
     def generate(
-        self, request: common_pb2.TokenRequest, timeout: float | None
+        self, request: TokenRequest, timeout: float | None
     ) -> AsyncIterator[tuple[str, WorkerEvent]]:
         """Stream (request_id, delta-or-final) of one request; raises WorkerCallError."""
         ...
 
     def generate_batch(
-        self, requests: Sequence[common_pb2.TokenRequest], timeout: float | None
+        self, requests: Sequence[TokenRequest], timeout: float | None
     ) -> AsyncIterator[tuple[str, WorkerEvent]]:
         """Stream (request_id, delta-or-final) of several requests in one call."""
         ...

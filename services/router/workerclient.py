@@ -12,6 +12,13 @@ from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.channels import broken_link, create_channel
 from services.common.errors import LlmeshError, error_from_rpc, request_error_from_proto
+from services.common.generation import Delta, TokenRequest
+from services.common.generation_convert import (
+    delta_from_proto,
+    final_from_proto,
+    logprobs_from_proto,
+    request_to_proto,
+)
 from services.common.settings import TlsSettings
 from services.router.registry import Load, WorkerInfo
 from services.router.workerapi import SessionSubmit, WorkerCallError, WorkerEvent
@@ -91,24 +98,29 @@ class GrpcSessionLink:
 
     def send(self, submits: Sequence[SessionSubmit], aborts: Sequence[int]) -> None:
         self._outbox.put_nowait(worker_pb2.SessionRequest(
-            submit=[worker_pb2.SessionSubmit(handle=s.handle, request=s.request, timeout_s=s.timeout_s or 0.0,
-                                             traceparent=s.traceparent) for s in submits],
+            submit=[worker_pb2.SessionSubmit(handle=s.handle, request=request_to_proto(s.request),
+                                             timeout_s=s.timeout_s or 0.0, traceparent=s.traceparent)
+                    for s in submits],
             abort=list(aborts),
         ))
 
     async def events(self) -> AsyncIterator[tuple[int, WorkerEvent]]:
         try:
             async for frame in self._call:
+                # One list of the frame's token ids, sliced per request: plain ints, no
+                # per-token message objects.
+                token_ids = list(frame.token_ids)
                 logprobs = {entry.handle: entry.logprobs for entry in frame.logprobs}
                 offset = 0
                 for handle, count in zip(frame.handles, frame.token_counts, strict=True):
-                    delta = common_pb2.TokenDelta(token_ids=frame.token_ids[offset:offset + count])
-                    offset += count
-                    if handle in logprobs:
-                        delta.logprobs.extend(logprobs[handle])
-                    yield handle, delta
+                    end = offset + count
+                    entries = logprobs.get(handle)
+                    yield handle, Delta(
+                        token_ids[offset:end], None if entries is None else logprobs_from_proto(entries)
+                    )
+                    offset = end
                 for final in frame.finals:
-                    yield final.handle, final.final
+                    yield final.handle, final_from_proto(final.final)
                 for error in frame.errors:
                     yield error.handle, request_error(error.error)
         except grpc.aio.AioRpcError as err:
@@ -138,16 +150,17 @@ class GrpcWorkerClient:
         self._tls = tls
 
     async def generate(
-        self, request: common_pb2.TokenRequest, timeout: float | None
+        self, request: TokenRequest, timeout: float | None
     ) -> AsyncIterator[tuple[str, WorkerEvent]]:
-        call = self.stub.Generate(worker_pb2.GenerateRequest(request=request), timeout=timeout)
+        message = worker_pb2.GenerateRequest(request=request_to_proto(request))
+        call = self.stub.Generate(message, timeout=timeout)
         try:
             async for response in call:
                 kind = response.WhichOneof("kind")
                 if kind == "delta":
-                    yield response.request_id or request.request_id, response.delta
+                    yield response.request_id or request.request_id, delta_from_proto(response.delta)
                 elif kind == "final":
-                    yield response.request_id or request.request_id, response.final
+                    yield response.request_id or request.request_id, final_from_proto(response.final)
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
         finally:
@@ -155,18 +168,18 @@ class GrpcWorkerClient:
             call.cancel()
 
     async def generate_batch(
-        self, requests: Sequence[common_pb2.TokenRequest], timeout: float | None
+        self, requests: Sequence[TokenRequest], timeout: float | None
     ) -> AsyncIterator[tuple[str, WorkerEvent]]:
         call = self.stub.GenerateBatch(
-            worker_pb2.GenerateBatchRequest(requests=list(requests)), timeout=timeout
+            worker_pb2.GenerateBatchRequest(requests=[request_to_proto(r) for r in requests]), timeout=timeout
         )
         try:
             async for response in call:
                 kind = response.WhichOneof("kind")
                 if kind == "delta":
-                    yield response.request_id, response.delta
+                    yield response.request_id, delta_from_proto(response.delta)
                 elif kind == "final":
-                    yield response.request_id, response.final
+                    yield response.request_id, final_from_proto(response.final)
                 elif kind == "error":
                     yield response.request_id, request_error(response.error)
         except grpc.aio.AioRpcError as err:

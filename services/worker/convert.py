@@ -3,66 +3,28 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2
+from services.common import generation_convert
 from services.common.errors import request_error_to_proto
-from services.common.sampling import ENGINE_FIELDS
-from services.common.sampling_convert import sampling_from_message
+from services.common.generation_convert import delta_to_proto, final_to_proto, logprobs_to_proto
 from services.worker.core import Delta, Failed, Final, LoadReport, WorkerIdentity
-from services.worker.engine import EngineInfo, EngineRequest, FinishReason, Sampling
+from services.worker.engine import EngineInfo, EngineRequest
 from services.worker.session import Frame, Submission
-
-FINISH_REASONS: dict[FinishReason, Any] = {
-    FinishReason.STOP: common_pb2.ENGINE_FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.ENGINE_FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.ENGINE_FINISH_REASON_ABORT,
-    FinishReason.ERROR: common_pb2.ENGINE_FINISH_REASON_ERROR,
-}
-
-
-def sampling_from_proto(s: common_pb2.EngineSampling) -> Sampling:
-    """Unset optional fields stay None: the engine applies its defaults (proto3 presence, not zero)."""
-    return sampling_from_message(s, ENGINE_FIELDS)
 
 
 def request_from_proto(r: common_pb2.TokenRequest, adapter: str = "") -> EngineRequest:
     """An empty request id gets a fresh one (the response carries it)."""
+    request = generation_convert.request_from_proto(r)
     return EngineRequest(
-        request_id=r.request_id or f"w-{uuid.uuid4().hex}",
-        prompt_token_ids=tuple(r.prompt_token_ids),
-        sampling=sampling_from_proto(r.sampling),
-        priority=r.priority,
+        request_id=request.request_id or f"w-{uuid.uuid4().hex}",
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=request.sampling,
+        priority=request.priority,
         adapter=adapter,
-        replay_token_ids=tuple(r.replay_token_ids),
+        replay_token_ids=request.replay_token_ids,
     )
-
-
-def delta_to_proto(delta: Delta) -> common_pb2.TokenDelta:
-    msg = common_pb2.TokenDelta(token_ids=delta.token_ids)
-    if delta.logprobs:
-        for lp in delta.logprobs:
-            msg.logprobs.append(common_pb2.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob,
-                top=[common_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
-            ))
-    return msg
-
-
-def final_to_proto(final: Final) -> common_pb2.TokenFinal:
-    msg = common_pb2.TokenFinal(
-        finish_reason=FINISH_REASONS[final.finish_reason],
-        prompt_tokens=final.prompt_tokens,
-        completion_tokens=final.completion_tokens,
-        cached_tokens=final.cached_tokens,
-        queue_ms=final.queue_ms,
-        ttft_ms=final.ttft_ms,
-        total_ms=final.total_ms,
-    )
-    if final.stop_token_id is not None:
-        msg.stop_token_id = final.stop_token_id
-    return msg
 
 
 def generate_response(request_id: str, event: Delta | Final) -> worker_pb2.GenerateResponse:
@@ -119,17 +81,23 @@ def submission_from_proto(sub: worker_pb2.SessionSubmit, adapter: str | Exceptio
 
 
 def frame_to_proto(frame: Frame) -> worker_pb2.SessionResponse:
-    """One frame in column layout: handles, token counts and the token ids back to back."""
-    out = worker_pb2.SessionResponse()
-    for handle, token_ids, logprobs in frame.tokens:
-        out.handles.append(handle)
-        out.token_counts.append(len(token_ids))
-        out.token_ids.extend(token_ids)
-        if logprobs is not None:
-            out.logprobs.append(worker_pb2.SessionLogprobs(
-                handle=handle, logprobs=delta_to_proto(Delta(token_ids, logprobs)).logprobs))
-    for handle, final in frame.finals:
-        out.finals.append(worker_pb2.SessionFinal(handle=handle, final=final_to_proto(final)))
-    for handle, error in frame.errors:
-        out.errors.append(worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error)))
-    return out
+    """One frame in column layout: handles, token counts and the token ids back to back
+    (each column built as a list and handed to the message whole)."""
+    tokens = frame.tokens
+    return worker_pb2.SessionResponse(
+        handles=[handle for handle, _, _ in tokens],
+        token_counts=[len(token_ids) for _, token_ids, _ in tokens],
+        token_ids=[token for _, token_ids, _ in tokens for token in token_ids],
+        logprobs=[
+            worker_pb2.SessionLogprobs(handle=handle, logprobs=logprobs_to_proto(logprobs))
+            for handle, _, logprobs in tokens if logprobs is not None
+        ],
+        finals=[
+            worker_pb2.SessionFinal(handle=handle, final=final_to_proto(final))
+            for handle, final in frame.finals
+        ],
+        errors=[
+            worker_pb2.SessionError(handle=handle, error=request_error_to_proto(error))
+            for handle, error in frame.errors
+        ],
+    )

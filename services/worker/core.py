@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from services.common import sampling
 from services.common.errors import FieldViolation, InvalidArgument, LlmeshError, NotFound, Unavailable
+from services.common.generation import Delta as Delta
+from services.common.generation import Final as Final
 from services.common.logs import request_id_var
 from services.worker import metrics
 from services.worker.engine import (
@@ -29,7 +31,6 @@ from services.worker.engine import (
     FinishReason,
     RequestRejected,
     Sampling,
-    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -49,28 +50,6 @@ class WorkerIdentity:
     pid: int
     adapters: tuple[str, ...] = ()
     """LoRA adapter names a request's ``model`` may select."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Newly generated token ids of one request."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass(frozen=True)
-class Final:
-    """The closing message of one request."""
-
-    finish_reason: FinishReason
-    stop_token_id: int | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    queue_ms: float
-    ttft_ms: float
-    total_ms: float
 
 
 Event = Delta | Final

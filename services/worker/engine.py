@@ -7,28 +7,18 @@ vLLM import. Nothing here imports grpc or vLLM.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from services.common.errors import InvalidArgument
 
+# The generation types every internal tier shares, re-exported under the worker's names.
+from services.common.generation import FinishReason as FinishReason
+from services.common.generation import TokenLogprob as TokenLogprob
+
 # The one sampling type every tier shares (None: unset, the engine's default), re-exported.
 from services.common.sampling import Sampling as Sampling
-
-
-class FinishReason(enum.Enum):
-    """Why the engine stopped one generation."""
-
-    STOP = "stop"
-    """EOS or one of ``stop_token_ids`` was generated (the token is in the output)."""
-    LENGTH = "length"
-    """``max_tokens`` or the context length was reached."""
-    ABORT = "abort"
-    """Aborted by the caller (Abort RPC, cancelled call, passed deadline)."""
-    ERROR = "error"
-    """The engine failed this request."""
 
 
 @dataclass(frozen=True)
@@ -45,15 +35,6 @@ class EngineRequest:
     """Tokens an earlier attempt already delivered: the engine re-generates them first as
     forced decode steps (not emitted), so a resumed greedy run equals an undisturbed one.
     ``sampling.max_tokens`` / ``min_tokens`` count the tokens after them."""
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Logprob of one generated token and its top alternatives as (token id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
