@@ -75,6 +75,11 @@ class LoadReport:
 class _InFlight:
     request_id: str
     aborted: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+ABORTED_ID_WAIT_S = 2.0
+"""How long a request waits for an aborted one under the same id to leave the engine."""
 
 
 @dataclass
@@ -192,7 +197,7 @@ class WorkerCore:
     def validate(self, req: EngineRequest, prefix: str = "request") -> None:
         """Raise InvalidArgument naming every bad field of ``req``."""
         violations = request_violations(req, self.engine.info, prefix)
-        if req.request_id in self._in_flight:
+        if self._running_under(req.request_id):
             violations.insert(0, FieldViolation(f"{prefix}.request_id",
                                                 f"request id {req.request_id!r} is already in flight"))
         if violations:
@@ -208,6 +213,8 @@ class WorkerCore:
             raise Unavailable("the engine of this worker is dead")
         rid = req.request_id
         request_id_var.set(rid)  # this request's log lines carry its id (the task's own context)
+        if rid in self._in_flight:
+            await self._wait_for_aborted(rid)
         state = _InFlight(rid)
         self._in_flight[rid] = state
         metrics.IN_FLIGHT.set(len(self._in_flight))
@@ -217,19 +224,22 @@ class WorkerCore:
         last: EngineOutput | None = None
         finished = False
         try:
-            async for out in self.engine.generate(req):
-                last = out
-                if out.token_ids:
-                    if first_token_at is None:
-                        first_token_at = time.perf_counter()
-                    completion += len(out.token_ids)
-                    self._tokens_produced += len(out.token_ids)
-                    yield Delta(out.token_ids, out.logprobs)
-                if out.finish_reason is not None:
-                    finished = True
-                    reason = FinishReason.ABORT if state.aborted else out.finish_reason
-                    yield self._final(reason, out, completion, start, first_token_at)
-                    return
+            # Closed here, not whenever it is collected: its clean-up (the engine's abort of an
+            # unfinished sequence) must run before this request's id may be taken again.
+            async with contextlib.aclosing(self.engine.generate(req)) as outputs:
+                async for out in outputs:
+                    last = out
+                    if out.token_ids:
+                        if first_token_at is None:
+                            first_token_at = time.perf_counter()
+                        completion += len(out.token_ids)
+                        self._tokens_produced += len(out.token_ids)
+                        yield Delta(out.token_ids, out.logprobs)
+                    if out.finish_reason is not None:
+                        finished = True
+                        reason = FinishReason.ABORT if state.aborted else out.finish_reason
+                        yield self._final(reason, out, completion, start, first_token_at)
+                        return
             # The engine ended the stream without a finish reason: report it as an error.
             finished = True
             yield self._final(FinishReason.ERROR, last, completion, start, first_token_at)
@@ -242,11 +252,36 @@ class WorkerCore:
         except (asyncio.CancelledError, GeneratorExit):
             # The caller went away (cancelled, deadline passed): free the engine's sequence.
             if not finished:
+                state.aborted = True  # its id may be taken again while the engine frees it
                 await self._abort_in_engine(rid)
             raise
         finally:
-            self._in_flight.pop(rid, None)
+            if self._in_flight.get(rid) is state:
+                del self._in_flight[rid]
+            state.ended.set()
             metrics.IN_FLIGHT.set(len(self._in_flight))
+
+    def _running_under(self, request_id: str) -> bool:
+        """Whether a request runs under ``request_id`` and is not being aborted. An aborted
+        one is on its way out: a caller that cancelled and at once sent its request again
+        under the same id (or a router resuming onto this worker) waits for it instead of
+        being refused."""
+        state = self._in_flight.get(request_id)
+        return state is not None and not state.aborted
+
+    async def _wait_for_aborted(self, request_id: str) -> None:
+        """Wait (up to :data:`ABORTED_ID_WAIT_S`) until no aborted request holds
+        ``request_id``; a running one under it, or one still there after the wait, makes
+        this request a duplicate."""
+        try:
+            async with asyncio.timeout(ABORTED_ID_WAIT_S):
+                while (state := self._in_flight.get(request_id)) is not None and state.aborted:
+                    await state.ended.wait()
+        except TimeoutError:
+            pass
+        if request_id in self._in_flight:
+            metrics.REJECTED.inc()
+            raise InvalidArgument("request.request_id", f"request id {request_id!r} is already in flight")
 
     async def generate_batch(
         self, reqs: Sequence[EngineRequest | Failed], ids: Sequence[str] | None = None,
@@ -271,7 +306,7 @@ class WorkerCore:
                 yield (ids[i] if ids is not None else ""), req
                 continue
             violations = request_violations(req, self.engine.info, prefix)
-            if req.request_id in seen or req.request_id in self._in_flight:
+            if req.request_id in seen or self._running_under(req.request_id):
                 violations.append(FieldViolation(f"{prefix}.request_id",
                                                  f"request id {req.request_id!r} is duplicated or in flight"))
             seen.add(req.request_id)
@@ -319,11 +354,25 @@ class WorkerCore:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in flight; its stream ends with finish reason ABORT."""
-        state = self._in_flight.get(request_id)
+        state = self.mark_aborted(request_id)
         if state is None:
             raise NotFound(f"request_id {request_id!r} is not in flight on this worker")
-        state.aborted = True
-        await self.engine.abort(request_id)
+        await self.abort_marked(state)
+
+    def mark_aborted(self, request_id: str) -> _InFlight | None:
+        """Note at once that the request under ``request_id`` is being aborted (its stream
+        will end ABORT, and its id may be taken again once it left the engine); None if
+        none is in flight. :meth:`abort_marked` then stops it in the engine."""
+        state = self._in_flight.get(request_id)
+        if state is not None:
+            state.aborted = True
+        return state
+
+    async def abort_marked(self, state: _InFlight) -> None:
+        """Abort this request in the engine, unless it already ended: the engine knows
+        requests by id, and the id may by now belong to a newer request."""
+        if not state.ended.is_set():
+            await self.engine.abort(state.request_id)
 
     def load(self) -> LoadReport:
         return LoadReport(

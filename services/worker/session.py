@@ -93,8 +93,11 @@ class WorkerSession(framing.FramedSession[Frame]):
         """Abort a running request; it ends with an ABORT final. Unknown handles are ignored
         (the request finished while the abort was on its way)."""
         request_id = self._request_ids.get(handle)
-        if request_id is not None:
-            task = asyncio.ensure_future(self._abort(request_id))
+        state = self.core.mark_aborted(request_id) if request_id is not None else None
+        if state is not None:
+            # Marked now, not when the task runs: a submission under the same id in the
+            # caller's next message then waits for this one instead of being refused.
+            task = asyncio.ensure_future(self.core.abort_marked(state))
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     # -- internals -------------------------------------------------------------------
@@ -104,9 +107,6 @@ class WorkerSession(framing.FramedSession[Frame]):
     def _add_error(self, frame: Frame, handle: int, error: Exception) -> None:
         frame.errors.append((handle, error))
 
-    async def _abort(self, request_id: str) -> None:
-        with contextlib.suppress(LlmeshError):
-            await self.core.abort(request_id)
 
     async def _generate(self, submission: Submission, request: EngineRequest) -> None:
         handle = submission.handle

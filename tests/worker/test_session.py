@@ -108,3 +108,44 @@ async def test_closing_the_session_aborts_what_still_runs(stepped_worker: Runnin
             break
         await asyncio.sleep(0.02)
     assert load.load.in_flight == 0 and load.load.running == 0
+
+
+async def test_an_id_aborted_and_sent_again_at_once_waits_instead_of_being_refused(
+    stepped_worker: RunningWorker, model: FakeModel
+) -> None:
+    """A caller that cancels a request and at once sends it again under the same id (the
+    abort, then the new submission in the next message, before the engine let go of the
+    first) gets the new request served: it waits for the aborted one to leave the engine. A second request under the id of one still
+    running (not aborted) is refused at once, naming the field."""
+    queue: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
+
+    async def requests():  # type: ignore[no-untyped-def]
+        while (item := await queue.get()) is not None:
+            yield item
+
+    first = worker_pb2.SessionSubmit(handle=1, request=token_request("again", [5, 6], ignore_eos=True))
+    queue.put_nowait(worker_pb2.SessionRequest(submit=[first]))
+    call = stepped_worker.stub.Session(requests(), timeout=30)
+    seen: dict[int, list[int]] = defaultdict(list)
+    finals, errors = {}, {}
+    sent = False
+    async for frame in call:
+        offset = 0
+        for handle, count in zip(frame.handles, frame.token_counts, strict=True):
+            seen[handle] += frame.token_ids[offset:offset + count]
+            offset += count
+        finals.update({f.handle: f.final for f in frame.finals})
+        errors.update({e.handle: e.error for e in frame.errors})
+        if len(seen[1]) >= 2 and not sent:
+            sent = True
+            duplicate = worker_pb2.SessionSubmit(handle=3, request=token_request("again", [1], max_tokens=2))
+            queue.put_nowait(worker_pb2.SessionRequest(submit=[duplicate]))
+            again = worker_pb2.SessionSubmit(handle=2, request=token_request("again", [7, 8], max_tokens=4))
+            queue.put_nowait(worker_pb2.SessionRequest(abort=[1]))
+            queue.put_nowait(worker_pb2.SessionRequest(submit=[again]))
+            queue.put_nowait(None)
+    assert [v.field for v in errors[3].field_violations] == ["request.request_id"]
+    assert finals[1].finish_reason == 3  # ENGINE_FINISH_REASON_ABORT
+    assert 2 not in errors, errors.get(2)
+    assert seen[2] == fake_greedy([7, 8], 4, model), (finals.get(2), dict(seen))
+    assert finals[2].completion_tokens == 4
