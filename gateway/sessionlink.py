@@ -202,8 +202,11 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
             answer = await self._ask_for_session()
             if answer is not None and answer.code() is grpc.StatusCode.UNIMPLEMENTED:
                 self.calls_until = time.monotonic() + SESSION_RETRY_S
-                return NoSession(f"{self.tier} replica {self.replica}: no Session "
-                                 f"({err.details() or err.code().name})")
+                log.warning("%s replica %d (%s) has no Session, an older release? (%s): its %d "
+                            "requests and the next ones go over calls for %.0f s",
+                            self.tier, self.replica, self.target, err.details() or err.code().name,
+                            len(self.requests), SESSION_RETRY_S)
+                return NoSession(f"{self.tier} replica {self.replica}: no Session")
             if answer is not None and answer.code() in REFUSED_CODES:
                 err = answer
         if err.code() in REFUSED_CODES:
@@ -236,12 +239,7 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
             return
         self.failure = failure
         requests, self.requests = self.requests, {}
-        if isinstance(failure, NoSession):
-            log.warning("%s replica %d (%s) has no Session (an older release?): %s; its %d "
-                        "requests and the next ones go over calls for %.0f s",
-                        self.tier, self.replica, self.target, failure.message, len(requests),
-                        SESSION_RETRY_S)
-        elif requests:
+        if requests and not isinstance(failure, NoSession):  # that one said so itself
             log.warning("%s replica %d: session broke (%s) under %d requests",
                         self.tier, self.replica, failure.message, len(requests))
         for request in requests.values():
