@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -163,7 +163,7 @@ class SessionRouterTier(GrpcRouterTier):
     async def _over_session(
         self, replica: int, request: TokenGeneration, resume_token_ids: list[int], resumed: int,
         timeout: float | None,
-    ) -> AsyncIterator[RouterDelta | RouterFinal]:
+    ) -> AsyncGenerator[RouterDelta | RouterFinal, None]:
         """One request over the replica's Session call; raises :class:`NoSession` when the
         replica turns out to have none."""
         message = convert.router_generate_request(request, resume_token_ids, resumed)

@@ -249,7 +249,8 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
 
 async def _no_messages() -> AsyncIterator[Any]:
     """What a Session call that only asks whether the replica has Session sends."""
-    for message in ():
+    nothing: tuple[Any, ...] = ()
+    for message in nothing:
         yield message
 
 
