@@ -10,56 +10,44 @@ a postprocessor message and frame hold).
 To :class:`gateway.core._Stream` a request looks like a ``Process`` stream
 (:class:`gateway.core.PostSession`): its own error (bad config, bad token) is the domain
 error a call would have ended with, and a broken session is :class:`TierUnavailable` for
-every request on it, so each is replayed into another replica.
+every request on it, so each is replayed into another replica (what a failed session
+means is :mod:`gateway.sessionlink`'s rule).
+
+A replica without Session (an older release, during a rolling upgrade) gets ``Process``
+calls (:class:`gateway.tiers.GrpcPostprocessorTier`): a request that was on the failed
+session opens one there and sends it everything it had sent (the replica never answered
+on that session, so nothing of it reached the caller), and the replica's next requests
+open calls until Session is asked for again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 from opentelemetry import propagate
 
 from gateway import convert
-from gateway.core import TierUnavailable
-from gateway.sessionlink import ReplicaLinks, SessionLink
-from gateway.tiers import domain_error, request_error
+from gateway.core import PostSession, TierUnavailable
+from gateway.sessionlink import NoSession, ReplicaLinks, SessionLink
+from gateway.tiers import GrpcPostprocessorTier, request_error
 from gateway.types import PostConfig, PostDelta, PostFinal
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common import errors
-from services.common.channels import broken_link
 from services.common.settings import TlsSettings
 
-_BROKEN_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    # The postprocessor (not us) cancelled the session: it is shutting down.
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.DATA_LOSS,
-    # A replica without Session (an older version during a rollout).
-    grpc.StatusCode.UNIMPLEMENTED,
-}
-"""Codes of a failed Session call that say the link broke, not that the requests were bad."""
-
 PostItem = PostDelta | PostFinal | BaseException
-
-
-def link_error(err: grpc.aio.AioRpcError) -> errors.LlmeshError:
-    """What the failure of a whole Session call means for each of its requests."""
-    code = err.code()
-    if code in _BROKEN_CODES or broken_link(err.details() or ""):
-        return TierUnavailable(f"postprocessor session: {err.details() or code.name}")
-    return domain_error(err, tier="postprocessor")
 
 
 class SessionPost:
     """One request in a postprocessor Session (the gateway's PostSession protocol)."""
 
-    def __init__(self, link: _SessionLink, handle: int, deadline: float | None) -> None:
+    def __init__(self, link: _SessionLink, handle: int, deadline: float | None,
+                 open_call: Callable[..., Awaitable[PostSession]]) -> None:
         self.link = link
         self.handle = handle
         self.deadline = deadline
@@ -68,40 +56,102 @@ class SessionPost:
         self.finished = False
         """A final or an error came back: the postprocessor holds nothing for it any more."""
         self.closed = False
+        self.sent: list[int] | None = [] if not link.frames_received else None
+        """The tokens sent while the replica has not answered on this session (None once
+        it has): if it turns out to have no Session, they go again over a call."""
+        self.end_reason: str | None = None
+        """The finish reason sent, for the same replay."""
+        self.call: PostSession | None = None
+        """The Process call this request moved to (its replica has no Session)."""
+        self._open_call = open_call
+        """Opens that call: ``await open_call(timeout=...)``."""
+
+    def _unanswered(self) -> list[int] | None:
+        """:attr:`sent`, while the replica has answered nothing on the session."""
+        if self.sent is not None and self.link.frames_received:
+            self.sent = None  # it answered: it has Session, and nothing is replayed
+        return self.sent
 
     def _check(self) -> bool:
         """Whether a write should go out; raises TierUnavailable on a broken link (as a
         write into a broken Process call does)."""
-        if self.closed:
-            return False
         if self.link.failure is not None:
             raise TierUnavailable(self.link.failure.message)
         return not self.finished
 
     async def send_tokens(self, token_ids: list[int]) -> None:
+        if self.closed:
+            return
+        if self.call is not None and self.sent is None:
+            await self.call.send_tokens(token_ids)
+            return
+        sent = self._unanswered()
+        if sent is not None:
+            sent.extend(token_ids)
+            if isinstance(self.link.failure, NoSession):
+                return  # read() sends it over the call
         if self._check():
             self.link.tokens(self.handle, token_ids)
 
     async def send_end(self, finish_reason: str) -> None:
+        if self.closed:
+            return
+        if self.call is not None and self.sent is None:
+            await self.call.send_end(finish_reason)
+            return
+        if self._unanswered() is not None:
+            self.end_reason = finish_reason
+            if isinstance(self.link.failure, NoSession):
+                return
         if self._check():
             self.link.end(self.handle, convert.upstream_finish(finish_reason))
 
     async def read(self) -> PostDelta | PostFinal | None:
-        remaining = None if self.deadline is None else self.deadline - time.monotonic()
-        try:
-            async with asyncio.timeout(remaining):
-                item = await self.items.get()
-        except TimeoutError:
-            raise errors.DeadlineExceeded("postprocessor: the request's deadline passed") from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        if self.call is None:
+            remaining = None if self.deadline is None else self.deadline - time.monotonic()
+            try:
+                async with asyncio.timeout(remaining):
+                    item = await self.items.get()
+            except TimeoutError:
+                raise errors.DeadlineExceeded("postprocessor: the request's deadline passed") from None
+            if not isinstance(item, NoSession):
+                if isinstance(item, BaseException):
+                    raise item
+                return item
+            await self._move_to_call()
+        assert self.call is not None
+        return await self.call.read()
+
+    async def _move_to_call(self) -> None:
+        """The replica has no Session: open a Process call there and send it what this
+        request sent (the session answered nothing, so the caller had nothing yet); what
+        is sent meanwhile joins the replay, and what is sent after goes over the call."""
+        remaining = None
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded("postprocessor: the request's deadline passed")
+        self.call = await self._open_call(timeout=remaining)
+        ended = False
+        while True:
+            if self.sent:
+                token_ids, self.sent = self.sent, []
+                await self.call.send_tokens(token_ids)
+            elif self.end_reason is not None and not ended:
+                ended = True
+                await self.call.send_end(self.end_reason)
+            else:
+                break
+        self.sent = None  # from now on writes go straight to the call
 
     async def close(self, graceful: bool = False) -> None:
         """Drop the request; the postprocessor is told unless it already finished it."""
         if self.closed:
             return
         self.closed = True
+        if self.call is not None:
+            await self.call.close(graceful)
+            return
         self.link.release(self, tell=not self.finished)
 
     # called by the link's reader
@@ -121,9 +171,10 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
     closed_message = "postprocessor session: closed"
 
     # -- writing ---------------------------------------------------------------------
-    def open(self, config: PostConfig, deadline: float | None) -> SessionPost:
+    def open(self, config: PostConfig, deadline: float | None,
+             open_call: Callable[..., Awaitable[PostSession]]) -> SessionPost:
         handle = self._allocate()
-        request = SessionPost(self, handle, deadline)
+        request = SessionPost(self, handle, deadline, open_call)
         self.requests[handle] = request
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # the current span: the gateway's span of this request
@@ -164,9 +215,6 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
     def _new_message(self) -> postprocess_pb2.SessionRequest:
         return postprocess_pb2.SessionRequest()
 
-    def _call_error(self, err: grpc.aio.AioRpcError) -> errors.LlmeshError:
-        return link_error(err)
-
     def _dispatch(self, frame: postprocess_pb2.SessionResponse) -> None:
         requests = self.requests
         for handle, text in zip(frame.handles, frame.texts, strict=True):
@@ -180,12 +228,13 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
 
 
 class SessionPostprocessorTier:
-    """Postprocessor replicas, each reached over one long-lived Session call."""
+    """Postprocessor replicas, each reached over one long-lived Session call (or over the
+    ``Process`` calls of :attr:`calls` while it has no Session)."""
 
     def __init__(self, targets: Sequence[str], tls: TlsSettings | None = None, server_name: str = "") -> None:
-        if not targets:
-            raise ValueError("at least one target is required")
-        self.targets = list(targets)
+        self.calls = GrpcPostprocessorTier(targets, tls, server_name)
+        """The same replicas over Process calls, for those without Session."""
+        self.targets = self.calls.targets
         self.links = ReplicaLinks(_SessionLink, self.targets, tls, server_name)
 
     @property
@@ -196,9 +245,12 @@ class SessionPostprocessorTier:
         """The replica's session, opened now if there is none or the last one broke."""
         return self.links.current(replica)
 
-    async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> SessionPost:
+    async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> PostSession:
+        if self.links.uses_calls(replica):
+            return await self.calls.open(replica, config, timeout=timeout)
         deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
-        return self.link(replica).open(config, deadline)
+        return self.link(replica).open(config, deadline, functools.partial(self.calls.open, replica, config))
 
     async def close(self) -> None:
         await self.links.close()
+        await self.calls.close()

@@ -12,40 +12,42 @@ multiplexes every request over it:
 - a request's refusal (RequestError) is raised in that request only, as the domain error
   a Generate call would have raised; a broken Session call raises TierUnavailable in
   every request it carried (the gateway core resumes each through another replica) and
-  the next request opens a new call;
+  the next request opens a new call; a refused one (PERMISSION_DENIED, UNAUTHENTICATED)
+  raises that error in each;
+- a replica without Session (an older release, during a rolling upgrade) gets the
+  Generate calls of :class:`gateway.tiers.GrpcRouterTier`: the requests that were on the
+  failed Session call run again over them (none had received anything), and so do the
+  replica's next requests until Session is asked for again;
 - leaving ``generate()`` before the final (cancelled, closed) aborts the request by handle.
 
 The per-replica call, its write coalescing, reader and failing of every request on a
-break are :mod:`gateway.sessionlink`'s; here are what a router message and frame hold and
-what a router's error means. Each submission carries the W3C ``traceparent`` of the
-request's current span, and the router starts the request's span under it.
+break, and the rule for what a failed call means, are :mod:`gateway.sessionlink`'s; here
+are what a router message and frame hold and what a router's error means. Each
+submission carries the W3C ``traceparent`` of the request's current span, and the router
+starts the request's span under it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 from opentelemetry import propagate
 
 from gateway import convert
-from gateway.core import TierUnavailable
-from gateway.sessionlink import ReplicaLinks, SessionLink
-from gateway.tiers import ROUTER_FIELD_PREFIXES, GrpcRouterTier, domain_error, request_error
+from gateway.sessionlink import NoSession, ReplicaLinks, SessionLink
+from gateway.tiers import ROUTER_FIELD_PREFIXES, GrpcRouterTier, request_error
 from gateway.types import RouterDelta, RouterFinal, TokenGeneration
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from services.common import errors
 from services.common.settings import TlsSettings
 
 _Item = RouterDelta | RouterFinal | errors.LlmeshError
-
-_REFUSED_CODES = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-                  grpc.StatusCode.UNIMPLEMENTED}
-"""A Session call ended with one of these was refused, not broken: another replica would
-refuse the same way, so the requests fail with the error instead of moving."""
 
 
 class RequestEvents(asyncio.Queue[_Item]):
@@ -59,6 +61,7 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
     """One Session call to one router replica and the requests it carries."""
 
     tier = "router"
+    field_prefixes = ROUTER_FIELD_PREFIXES
     ended_message = "router replica {replica}: session ended"
     closed_message = "router: session closed"
 
@@ -92,11 +95,6 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
 
     def _new_message(self) -> router_pb2.SessionRequest:
         return router_pb2.SessionRequest()
-
-    def _call_error(self, err: grpc.aio.AioRpcError) -> errors.LlmeshError:
-        if err.code() in _REFUSED_CODES:
-            return domain_error(err, tier="router", strip=ROUTER_FIELD_PREFIXES)
-        return TierUnavailable(f"router: {err.details() or err.code().name}")
 
     def _dispatch(self, frame: router_pb2.SessionResponse) -> None:
         queues = self.requests
@@ -139,9 +137,36 @@ class SessionRouterTier(GrpcRouterTier):
         self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
         resumed: int, timeout: float | None,
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
-        message = convert.router_generate_request(request, resume_token_ids, resumed)
         if timeout is not None and not math.isfinite(timeout):
             timeout = None
+        if not self.links.uses_calls(replica):
+            started = time.monotonic()
+            try:
+                # Closed with this generator, so leaving early aborts the request at once.
+                async with contextlib.aclosing(
+                    self._over_session(replica, request, resume_token_ids, resumed, timeout)
+                ) as events:
+                    async for item in events:
+                        yield item
+                return
+            except NoSession:
+                # The call failed before its first frame, so nothing of this request
+                # reached the caller: it runs again over a Generate call, unnoticed.
+                if timeout is not None:
+                    timeout -= time.monotonic() - started
+                    if timeout <= 0:
+                        raise errors.DeadlineExceeded("router: deadline passed") from None
+        async for item in super().generate(replica, request, resume_token_ids=resume_token_ids,
+                                           resumed=resumed, timeout=timeout):
+            yield item
+
+    async def _over_session(
+        self, replica: int, request: TokenGeneration, resume_token_ids: list[int], resumed: int,
+        timeout: float | None,
+    ) -> AsyncGenerator[RouterDelta | RouterFinal, None]:
+        """One request over the replica's Session call; raises :class:`NoSession` when the
+        replica turns out to have none."""
+        message = convert.router_generate_request(request, resume_token_ids, resumed)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # the current span of this request
         link = self.link(replica)

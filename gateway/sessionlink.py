@@ -6,9 +6,15 @@ carries every request it sends there under a handle of its own:
 - what the requests write in one event-loop iteration goes out as one message: the first
   write schedules the flush with ``call_soon``, the others land in the same message;
 - a reader task splits each frame the replica sends into the requests it names;
-- when the call breaks (or ends, or is closed) every request still on it fails with the
-  same error, :class:`TierUnavailable` unless the replica refused the call itself, so the
-  gateway core moves each to another replica; the next request opens a new call.
+- when the whole call fails (or ends, or is closed), one rule for every tier says what
+  that means for each request still on it (:meth:`SessionLink._call_failure`): the
+  replica refused the call (PERMISSION_DENIED, UNAUTHENTICATED): each fails with that
+  error, as another replica would refuse the same; the replica has no Session at all (a
+  release before it, during a rolling upgrade; asked with a Session call that writes
+  nothing): each runs again over the tier's per-request calls (:class:`NoSession`), and
+  so does the replica until :data:`SESSION_RETRY_S` has passed; anything else is a broken
+  link: :class:`TierUnavailable`, and the gateway core moves each request to another
+  replica. The next request opens a new call.
 
 :class:`SessionLink` is that call; :class:`ReplicaLinks` opens one per replica when a
 request needs it, again after it broke, over channels without the tracing interceptor:
@@ -24,6 +30,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -31,11 +38,36 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import grpc
 
 from gateway.core import TierUnavailable
+from gateway.tiers import domain_error
 from services.common import errors
 from services.common.channels import create_channel
 from services.common.settings import TlsSettings
 
 log = logging.getLogger(__name__)
+
+SESSION_RETRY_S = 60.0
+"""How long a replica without Session (an older release) gets calls before the gateway
+asks it for a Session again (it may have been upgraded meanwhile)."""
+
+PROBE_TIMEOUT_S = 5.0
+"""Longest wait for the answer to the Session call that asks whether a replica has one."""
+
+REFUSED_CODES = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+"""A Session call ended with one of these was refused, not broken: another replica would
+refuse the same, so its requests fail with the error instead of moving."""
+
+NO_SESSION_CODES = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL})
+"""How a Session call to a replica without Session ends: UNIMPLEMENTED, or INTERNAL
+"Internal error from Core" when grpc.aio sees the call end while this side is still
+writing (64 of 100 tries, measured on the router's worker hop). Only a Session call that
+writes nothing tells that from the session's own failure (:meth:`SessionLink._ask_for_session`)."""
+
+
+class NoSession(TierUnavailable):
+    """The replica has no Session (a release before it): a request that was on the failed
+    call runs again over the tier's per-request call. None of it reached its caller (the
+    call failed before its first frame). Being a :class:`TierUnavailable`, a request that
+    cannot move that way fails over like one on a broken link."""
 
 
 class Carried(Protocol):
@@ -55,18 +87,27 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
     being filled for the next flush, and the reader that demultiplexes frames."""
 
     tier: ClassVar[str]
-    """The tier's name in logs."""
+    """The tier's name in logs and error messages."""
+    field_prefixes: ClassVar[tuple[str, ...]] = ()
+    """Internal prefixes of field paths a refusal's violations name (see ``domain_error``)."""
     ended_message: ClassVar[str]
     """Why requests fail when the replica ends the call (``{replica}`` is its index)."""
     closed_message: ClassVar[str]
     """Why requests fail when the link is closed on this side."""
 
-    def __init__(self, channel: grpc.aio.Channel, replica: int) -> None:
+    def __init__(self, channel: grpc.aio.Channel, replica: int, target: str = "") -> None:
         self.replica = replica
+        self.target = target
         self.requests: dict[int, CarriedT] = {}
         """The requests on this call, by handle."""
         self.failure: errors.LlmeshError | None = None
         """Why the call is over, once it is."""
+        self.probing = False
+        """The call failed in a way a replica without Session ends it; it is being asked."""
+        self.calls_until = 0.0
+        """Monotonic instant until which the replica gets calls: it turned out to have no
+        Session (0: it has, or nobody knows yet)."""
+        self._channel = channel
         self.messages_sent = 0
         self.frames_received = 0
         self._next_handle = 0
@@ -88,10 +129,6 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
     @abstractmethod
     def _dispatch(self, frame: FrameT) -> None:
         """Hand what ``frame`` holds to the requests it names (and forget the ended ones)."""
-
-    @abstractmethod
-    def _call_error(self, err: grpc.aio.AioRpcError) -> errors.LlmeshError:
-        """What the failure of the whole call means for each of its requests."""
 
     # -- the link --------------------------------------------------------------------
     @property
@@ -141,12 +178,13 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
     async def _read(self) -> None:
         failure: errors.LlmeshError
         try:
-            async for frame in self._call:
-                self.frames_received += 1
-                self._dispatch(frame)
-            failure = TierUnavailable(self.ended_message.format(replica=self.replica))
-        except grpc.aio.AioRpcError as err:
-            failure = self._call_error(err)
+            try:
+                async for frame in self._call:
+                    self.frames_received += 1
+                    self._dispatch(frame)
+                failure = TierUnavailable(self.ended_message.format(replica=self.replica))
+            except grpc.aio.AioRpcError as err:
+                failure = await self._call_failure(err)
         except asyncio.CancelledError:
             self._fail(TierUnavailable(self.closed_message))
             raise
@@ -155,13 +193,53 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
             failure = TierUnavailable(f"{self.tier} session: {type(exc).__name__}")
         self._fail(failure)
 
+    async def _call_failure(self, err: grpc.aio.AioRpcError) -> errors.LlmeshError:
+        """What the failure of the whole call means for each of its requests (module
+        docstring): a refusal, no Session at all, or a broken link."""
+        if err.code() in NO_SESSION_CODES and not self.frames_received:
+            # What grpc reported may hide the replica's answer (INTERNAL): a call that
+            # writes nothing gets it as the replica gave it.
+            answer = await self._ask_for_session()
+            if answer is not None and answer.code() is grpc.StatusCode.UNIMPLEMENTED:
+                self.calls_until = time.monotonic() + SESSION_RETRY_S
+                log.warning("%s replica %d (%s) has no Session, an older release? (%s): its %d "
+                            "requests and the next ones go over calls for %.0f s",
+                            self.tier, self.replica, self.target, err.details() or err.code().name,
+                            len(self.requests), SESSION_RETRY_S)
+                return NoSession(f"{self.tier} replica {self.replica}: no Session")
+            if answer is not None and answer.code() in REFUSED_CODES:
+                err = answer
+        if err.code() in REFUSED_CODES:
+            return domain_error(err, tier=self.tier, strip=self.field_prefixes)
+        return TierUnavailable(f"{self.tier} session: {err.details() or err.code().name}")
+
+    async def _ask_for_session(self) -> grpc.aio.AioRpcError | None:
+        """How the replica answers a Session call that writes nothing and ends its input
+        at once (None: OK, or no answer in time). A replica with Session answers OK with
+        no frames, one without it UNIMPLEMENTED, one that refuses this gateway refuses it
+        too. Meanwhile the replica gets calls."""
+        self.probing = True
+        call = self._open(self._channel, _no_messages())
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                async for _ in call:
+                    pass
+        except grpc.aio.AioRpcError as err:
+            return err
+        except TimeoutError:
+            return None
+        finally:
+            self.probing = False
+            call.cancel()
+        return None
+
     def _fail(self, failure: errors.LlmeshError) -> None:
         """The call is over: every request still on it fails with ``failure``."""
         if self.failure is not None:
             return
         self.failure = failure
         requests, self.requests = self.requests, {}
-        if requests:
+        if requests and not isinstance(failure, NoSession):  # that one said so itself
             log.warning("%s replica %d: session broke (%s) under %d requests",
                         self.tier, self.replica, failure.message, len(requests))
         for request in requests.values():
@@ -169,16 +247,25 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
         self._outbox.put_nowait(None)
 
 
+async def _no_messages() -> AsyncIterator[Any]:
+    """What a Session call that only asks whether the replica has Session sends."""
+    nothing: tuple[Any, ...] = ()
+    for message in nothing:
+        yield message
+
+
 LinkT = TypeVar("LinkT", bound=SessionLink[Any, Any, Any])
 
 
 class ReplicaLinks(Generic[LinkT]):
     """One :class:`SessionLink` per replica, opened when a request needs it and again
-    after it broke, each over an untraced channel of its own (module docstring)."""
+    after it broke, each over an untraced channel of its own (module docstring); and
+    which replicas get calls instead (:meth:`uses_calls`)."""
 
     def __init__(self, link: type[LinkT], targets: Sequence[str], tls: TlsSettings | None = None,
                  server_name: str = "") -> None:
         self._link = link
+        self.targets = list(targets)
         self.channels = [
             create_channel(t, tls=tls, server_name_override=server_name, interceptors=[])
             for t in targets
@@ -194,6 +281,13 @@ class ReplicaLinks(Generic[LinkT]):
         """The replica's current link, if it has one (it may be broken)."""
         return self._links[replica]
 
+    def uses_calls(self, replica: int) -> bool:
+        """Whether a request for ``replica`` goes over the tier's per-request call: the
+        replica has no Session (until :data:`SESSION_RETRY_S` after that was found), or
+        whether it has is being asked."""
+        link = self._links[replica % len(self._links)]
+        return link is not None and (link.probing or time.monotonic() < link.calls_until)
+
     def current(self, replica: int) -> LinkT:
         """The replica's link, opened now if there is none or the last one broke."""
         index = replica % len(self._links)
@@ -203,7 +297,7 @@ class ReplicaLinks(Generic[LinkT]):
                 log.info("%s replica %d: session broke; opening a new one", link.tier, index)
             # Opened in an empty context: the call and its reader serve every request, so
             # they must not carry this request's span or log fields.
-            link = contextvars.Context().run(self._link, self.channels[index], index)
+            link = contextvars.Context().run(self._link, self.channels[index], index, self.targets[index])
             self._links[index] = link
             self.opened += 1
         return link

@@ -30,8 +30,9 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     """How requests reach the routers: ``session`` (one long-lived Session per router
     replica carrying every request: submissions of one moment share a message, and the
     router answers with one frame per step for all of them; a broken session resumes its
-    requests elsewhere) or ``calls`` (one Generate call per request, one message per token:
-    for routers older than the Session RPC)."""
+    requests elsewhere) or ``calls`` (one Generate call per request, one message per token).
+    Under ``session`` a router replica without Session (an older release, during a rolling
+    upgrade) gets calls on its own, and is asked for Session again after a minute."""
     postprocessor_targets: list[str] = ["127.0.0.1:50062"]
     """Postprocessor replicas; a stream whose postprocessor dies is replayed into the next one."""
     postprocessor_transport: Literal["calls", "session"] = "session"
@@ -39,7 +40,9 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     postprocessor replica carrying every request: what the requests send in one moment
     shares a message, answered by one frame of text for all of them; a broken session
     replays its requests into another replica) or ``calls`` (one Process stream per
-    request: for postprocessors older than the Session RPC)."""
+    request). Under ``session`` a postprocessor replica without Session (an older release,
+    during a rolling upgrade) gets calls on its own, and is asked for Session again after a
+    minute."""
     default_model: str = ""
     """Model used when a request leaves ``model`` empty; empty means the tokenizer tier's default."""
     tenants_file: str = ""

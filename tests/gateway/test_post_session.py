@@ -2,7 +2,10 @@
 
 Tier level: against an in-process postprocessor, requests written in one loop iteration
 share one SessionRequest, give what Process streams give, keep their own errors, and all
-see TierUnavailable when the session breaks. Mesh level: concurrent GenerateStream
+see TierUnavailable when the session breaks. A replica without Session (a rolling
+upgrade) gets Process calls, the requests that were on its failed session included,
+until Session is asked again; a whole Session refused fails its requests with the
+refusal, any other failure of it is a broken link. Mesh level: concurrent GenerateStream
 requests through a session gateway give the text a calls gateway gives, and a killed
 postprocessor replica fails no stream (the calls version is in test_gateway_ha.py).
 """
@@ -10,6 +13,7 @@ postprocessor replica fails no stream (the calls version is in test_gateway_ha.p
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -21,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 
+from gateway import sessionlink
 from gateway.core import TierUnavailable
 from gateway.postsession import SessionPostprocessorTier
 from gateway.server import create_gateway
@@ -28,15 +33,19 @@ from gateway.settings import GatewaySettings
 from gateway.tiers import GrpcPostprocessorTier
 from gateway.types import PostConfig, PostDelta, PostFinal
 from llmesh.meshconfig import MeshConfig, RouterConfig, TierConfig, WorkerConfig
+from llmesh.postprocess.v1 import postprocess_pb2_grpc
 from llmesh.procs import TierProcess, free_port
 from llmesh.up import Mesh
 from llmesh.v1 import inference_pb2
 from services.common import errors
-from services.postprocessor.server import build_server, warm_up
+from services.postprocessor.core import PostprocessCore
+from services.postprocessor.server import build_core, build_server, warm_up
+from services.postprocessor.servicer import PostprocessServicer
 from services.postprocessor.settings import PostprocessorSettings
 from services.tokenizer.loader import load_models
 from tests.gateway.conftest import gateway_address, running_mesh
 from tests.gateway.helpers import collect_stream, stream_request, stub
+from tests.router.helpers import wait_for
 from tests.tokenizer.helpers import running_server
 
 MODEL = "tiny"
@@ -70,6 +79,22 @@ async def _drain(session: Any) -> tuple[str, PostFinal]:
             return "".join(text), item
 
 
+async def _over_calls(address: str, ids: list[int]) -> list[tuple[str, PostFinal]]:
+    """What Process calls give for each of CONFIGS, three tokens a message: the reference."""
+    calls = GrpcPostprocessorTier([address])
+    try:
+        expected = []
+        for config in CONFIGS:
+            session = await calls.open(0, config, timeout=10)
+            for i in range(0, len(ids), 3):
+                await session.send_tokens(ids[i:i + 3])
+            await session.send_end("length")
+            expected.append(await _drain(session))
+        return expected
+    finally:
+        await calls.close()
+
+
 CONFIGS = [
     PostConfig(model=MODEL, stop=[]),
     PostConfig(model=MODEL, stop=["Shanghai"]),
@@ -82,17 +107,9 @@ TEXT = "Call 555-123-4567 or mail a.b@example.com about the Shanghai 上海 bran
 
 async def test_requests_of_one_loop_iteration_share_a_message_and_match_process(post_server, encode):
     ids = encode(TEXT)
-    calls = GrpcPostprocessorTier([post_server])
+    expected = await _over_calls(post_server, ids)
     tier = SessionPostprocessorTier([post_server])
     try:
-        expected = []
-        for config in CONFIGS:
-            session = await calls.open(0, config, timeout=10)
-            for i in range(0, len(ids), 3):
-                await session.send_tokens(ids[i:i + 3])
-            await session.send_end("length")
-            expected.append(await _drain(session))
-
         sessions = [await tier.open(0, config, timeout=10) for config in CONFIGS]
         link = tier.links[0]
         assert link is not None
@@ -109,7 +126,6 @@ async def test_requests_of_one_loop_iteration_share_a_message_and_match_process(
         assert not link.requests  # every request ended and was released
         assert tier.link(0) is link  # and the session stays for the next ones
     finally:
-        await calls.close()
         await tier.close()
 
 
@@ -171,6 +187,126 @@ async def test_a_broken_session_fails_each_request_with_tier_unavailable(tiny_de
     finally:
         if tier is not None:
             await tier.close()
+
+
+class OlderPostprocessor(PostprocessServicer):
+    """The real servicer, with knobs on Session and a count of the calls of each kind."""
+
+    def __init__(self, core: PostprocessCore) -> None:
+        super().__init__(core, final_drain_seconds=1.0)
+        self.has_session = True
+        """False: answer Session with UNIMPLEMENTED, as a release before it does."""
+        self.refuse_with: grpc.StatusCode | None = None
+        """End every Session at once with this code, as an authorization interceptor does."""
+        self.break_with: grpc.StatusCode | None = None
+        """End a Session with this code when its first message arrives (one that writes
+        nothing still ends OK: this replica has Session)."""
+        self.sessions = 0
+        self.processes = 0
+
+    async def Session(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        self.sessions += 1
+        if not self.has_session:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        if self.refuse_with is not None:
+            await context.abort(self.refuse_with, "refused")
+        if self.break_with is not None:
+            async for _ in request_iterator:
+                await context.abort(self.break_with, "session failed")
+            return
+        async for frame in super().Session(request_iterator, context):
+            yield frame
+
+    async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        self.processes += 1
+        async for reply in super().Process(request_iterator, context):
+            yield reply
+
+
+@pytest.fixture
+async def older_post(tiny_deepseek_dir: Path) -> AsyncIterator[tuple[str, OlderPostprocessor]]:
+    servicer = OlderPostprocessor(build_core(PostprocessorSettings(models=[f"{MODEL}={tiny_deepseek_dir}"])))
+    server = grpc.aio.server()
+    postprocess_pb2_grpc.add_PostprocessServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    assert port > 0
+    await server.start()
+    yield f"127.0.0.1:{port}", servicer
+    await server.stop(0)
+
+
+async def test_a_replica_without_session_gets_process_calls_until_it_is_asked_again(
+    older_post, encode, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+):
+    """A rolling upgrade: the replica is a release without Session. Requests opened before
+    that is known, their tokens still coming while the session fails and the replica is
+    asked, move to Process calls with everything they sent and give what calls give; the
+    replica gets calls until the retry time, then is asked for a Session again."""
+    address, post = older_post
+    monkeypatch.setattr(sessionlink, "SESSION_RETRY_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="gateway.sessionlink")
+    ids = encode(TEXT)
+    expected = await _over_calls(address, ids)
+    post.has_session, post.processes = False, 0
+    tier = SessionPostprocessorTier([address])
+    try:
+        sessions = [await tier.open(0, config, timeout=10) for config in CONFIGS]
+        drains = [asyncio.ensure_future(_drain(s)) for s in sessions]
+        for i in range(0, len(ids), 3):
+            for session in sessions:
+                await session.send_tokens(ids[i:i + 3])
+            await asyncio.sleep(0.005)  # engine steps, while the session fails under them
+        for session in sessions:
+            await session.send_end("length")
+        assert await asyncio.gather(*drains) == expected
+        assert post.processes == len(CONFIGS)  # each ran once, over a call
+        assert post.sessions == 2  # the session, and the one that asked why it failed
+        warnings = [r.getMessage() for r in caplog.records if "has no Session" in r.getMessage()]
+        assert len(warnings) == 1 and address in warnings[0], warnings
+        # Calls until the retry time, without asking again.
+        session = await tier.open(0, CONFIGS[0], timeout=10)
+        await session.send_tokens(ids)
+        await session.send_end("length")
+        assert await _drain(session) == expected[0]
+        assert post.processes == len(CONFIGS) + 1 and post.sessions == 2
+        # Upgraded meanwhile: after the retry time the next request opens a Session again.
+        post.has_session = True
+        await wait_for(lambda: not tier.links.uses_calls(0))
+        session = await tier.open(0, CONFIGS[1], timeout=10)
+        await session.send_tokens(ids)
+        await session.send_end("length")
+        assert await _drain(session) == expected[1]
+        assert post.processes == len(CONFIGS) + 1 and post.sessions == 3
+        link = tier.links[0]
+        assert link is not None and link.frames_received
+    finally:
+        await tier.close()
+
+
+@pytest.mark.parametrize(("knob", "code", "raised"), [
+    ("refuse_with", grpc.StatusCode.PERMISSION_DENIED, errors.PermissionDenied),
+    # Each request's own error before this rule; now a broken link, replayed elsewhere.
+    ("break_with", grpc.StatusCode.RESOURCE_EXHAUSTED, TierUnavailable),
+    # The replica has Session (asked): the call's own failure.
+    ("break_with", grpc.StatusCode.UNIMPLEMENTED, TierUnavailable),
+])
+async def test_a_whole_session_failure_is_a_refusal_or_a_broken_link(
+    older_post, encode, knob: str, code: grpc.StatusCode, raised: type[Exception],
+):
+    address, post = older_post
+    setattr(post, knob, code)
+    tier = SessionPostprocessorTier([address])
+    try:
+        sessions = [await tier.open(0, PostConfig(model=MODEL, stop=[]), timeout=10) for _ in range(3)]
+        for session in sessions:
+            await session.send_tokens(encode("some text"))
+        for session in sessions:
+            with pytest.raises(raised) as err:
+                await asyncio.wait_for(session.read(), 10)
+            assert type(err.value) is raised  # not NoSession: nothing moves to calls
+        assert post.processes == 0 and not tier.links.uses_calls(0)
+    finally:
+        await tier.close()
 
 
 # -- mesh level --------------------------------------------------------------------------
