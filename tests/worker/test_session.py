@@ -115,8 +115,9 @@ async def test_an_id_aborted_and_sent_again_at_once_waits_instead_of_being_refus
 ) -> None:
     """A caller that cancels a request and at once sends it again under the same id (the
     abort, then the new submission in the next message, before the engine let go of the
-    first) gets the new request served: it waits for the aborted one to leave the engine. A second request under the id of one still
-    running (not aborted) is refused at once, naming the field."""
+    first) gets the new request served: it waits for the aborted one to leave the engine.
+    A second request under the id of one still running (not aborted) is refused at once,
+    naming the field."""
     queue: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
 
     async def requests():  # type: ignore[no-untyped-def]
