@@ -65,6 +65,24 @@ class SessionPost:
         """The Process call this request moved to (its replica has no Session)."""
         self._open_call = open_call
         """Opens that call: ``await open_call(timeout=...)``."""
+        self._expiry: asyncio.TimerHandle | None = None
+        """One timer for the request's deadline (not a timeout around every read: reads
+        come once per frame)."""
+        if deadline is not None:
+            self._expiry = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()), self._expire)
+
+    def _expire(self) -> None:
+        """The deadline passed: the next read raises DeadlineExceeded, after what already
+        arrived (as a call's timeout would)."""
+        self._expiry = None
+        if not self.finished and not self.closed and self.call is None:
+            self.items.put_nowait(errors.DeadlineExceeded("postprocessor: the request's deadline passed"))
+
+    def _stop_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     def _unanswered(self) -> list[int] | None:
         """:attr:`sent`, while the replica has answered nothing on the session."""
@@ -108,12 +126,7 @@ class SessionPost:
 
     async def read(self) -> PostDelta | PostFinal | None:
         if self.call is None:
-            remaining = None if self.deadline is None else self.deadline - time.monotonic()
-            try:
-                async with asyncio.timeout(remaining):
-                    item = await self.items.get()
-            except TimeoutError:
-                raise errors.DeadlineExceeded("postprocessor: the request's deadline passed") from None
+            item = await self.items.get()
             if not isinstance(item, NoSession):
                 if isinstance(item, BaseException):
                     raise item
@@ -149,6 +162,7 @@ class SessionPost:
         if self.closed:
             return
         self.closed = True
+        self._stop_expiry()
         if self.call is not None:
             await self.call.close(graceful)
             return
@@ -160,6 +174,8 @@ class SessionPost:
             return
         if not isinstance(item, PostDelta):
             self.finished = True
+            if not isinstance(item, NoSession):
+                self._stop_expiry()
         self.items.put_nowait(item)
 
 
