@@ -41,13 +41,11 @@ from gateway.core import TierUnavailable
 from gateway.tiers import domain_error
 from services.common import errors
 from services.common.channels import create_channel
+from services.common.retry import SESSION_RETRY_S
 from services.common.settings import TlsSettings
 
 log = logging.getLogger(__name__)
 
-SESSION_RETRY_S = 60.0
-"""How long a replica without Session (an older release) gets calls before the gateway
-asks it for a Session again (it may have been upgraded meanwhile)."""
 
 PROBE_TIMEOUT_S = 5.0
 """Longest wait for the answer to the Session call that asks whether a replica has one."""

@@ -42,6 +42,12 @@ Any other kind (``rejected``: the request itself is bad; ``deadline``; ``cancell
 back to the caller unchanged.
 """
 
+SESSION_RETRY_S = 60.0
+"""How long a peer without Session (an older release during a rolling upgrade) gets
+per-request calls before the caller (a router's worker link, a gateway's router or
+postprocessor link) asks it for a Session again: it may have been upgraded meanwhile."""
+
+
 _MAX_DOUBLINGS = 62
 """Beyond this the exponential is past any cap (and 2**n would overflow a float)."""
 

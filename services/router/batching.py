@@ -24,6 +24,7 @@ from opentelemetry import propagate
 
 from services.common.generation import Delta, Final, TokenRequest
 from services.common.logs import request_id_var
+from services.common.retry import SESSION_RETRY_S
 from services.router.workerapi import (
     SessionSubmit,
     StreamEvent,
@@ -75,9 +76,6 @@ class AdaptiveWindow:
 
 _END = object()
 
-SESSION_RETRY_S = 60.0
-"""How long a worker that answered Session with UNIMPLEMENTED gets calls before the
-router asks for a Session again."""
 
 
 @dataclass(eq=False)
