@@ -389,6 +389,10 @@ class Router:
         return _AttemptLoop(self, route, timeout).run()
 
 
+_FAILOVER_POLL_S = 0.025
+"""How often a moving request with no routable worker looks again (failover_wait_ms)."""
+
+
 class _AttemptLoop:
     """One request through the router: attempts on workers until one of them ends it.
 
@@ -494,17 +498,41 @@ class _AttemptLoop:
         )
 
     async def _acquire(self) -> _Attempt:
-        """A worker slot, queueing in admission if none is free."""
+        """A worker slot, queueing in admission if none is free.
+
+        A request moving after a failure may find no routable worker at all (the last
+        one missed a load poll while busy, or its circuit is open for a moment): it waits
+        up to ``failover_wait_ms`` (never past its deadline) for one to come back instead
+        of failing. A new request gets UNAVAILABLE at once.
+        """
         router = self.router
         waited = time.monotonic()
-        try:
-            attempt = await router.admission.acquire(
-                functools.partial(router._pick, self.model, self.key, frozenset(self.failed_workers)),
-                self.request.priority, self.deadline, router._release, tenant=self.route.tenant,
-            )
-        except ResourceExhausted:
-            metrics.REJECTED.inc()
-            raise
+        give_up_at: float | None = None
+        while True:
+            try:
+                attempt = await router.admission.acquire(
+                    functools.partial(router._pick, self.model, self.key, frozenset(self.failed_workers)),
+                    self.request.priority, self.deadline, router._release, tenant=self.route.tenant,
+                )
+                break
+            except ResourceExhausted:
+                metrics.REJECTED.inc()
+                raise
+            except Unavailable:
+                if not self.failovers.failures:
+                    raise
+                now = time.monotonic()
+                if give_up_at is None:
+                    give_up_at = now + router.settings.failover_wait_ms / 1000.0
+                    if self.deadline is not None:
+                        give_up_at = min(give_up_at, self.deadline)
+                    log.warning("request %s: no routable worker for model %s; waiting up to %.1f s",
+                                self.request_id, self.model, max(0.0, give_up_at - now))
+                if now >= give_up_at:
+                    raise
+                # Rare (every worker out at once): a short poll also sees circuits that
+                # half-open with time, which no worker change announces.
+                await asyncio.sleep(min(_FAILOVER_POLL_S, give_up_at - now))
         self.queue_ms += (time.monotonic() - waited) * 1000.0
         return attempt
 

@@ -84,7 +84,7 @@ class WorkerMonitor:
         """Follow the worker's WatchLoad stream, reconnecting after a break.
 
         A report arrives every ``interval_s``; the watchdog beside this loop counts a
-        missed poll for every interval in which none arrived within ``timeout_s``. One
+        missed poll for every ``timeout_s`` in which none arrived. One
         stream instead of a unary GetLoad per interval: the calls cost both processes
         about 10 ms of CPU per second each on an idle mesh, the stream a fraction of it.
         """
@@ -116,15 +116,28 @@ class WorkerMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def _watchdog(self) -> None:
-        """A missed poll for every interval without a report younger than ``timeout_s``
-        (a stopped or partitioned worker keeps its stream open but sends nothing)."""
+        """A missed poll for every ``timeout_s`` without a report (a stopped or
+        partitioned worker keeps its stream open but sends nothing).
+
+        The first miss comes ``timeout_s`` after the latest report; each further one
+        after another full ``timeout_s`` of silence, as a unary poll with that deadline
+        would time out again. A frontend starved of CPU for a little over ``timeout_s``
+        then leaves routing for a moment but its running requests stay where they are:
+        they move only after ``unreachable_failover_polls`` such windows.
+        """
         loop = asyncio.get_running_loop()
+        counted_at = float("-inf")
+        """When the latest miss was counted: the next needs ``timeout_s`` more silence."""
         while True:
             # While reports arrive, wake when the latest one would be too old, not every
-            # interval; once silent, count a miss every interval.
-            due = self._last_report + self.timeout_s - loop.time()
+            # interval; once silent, when the next window of silence is complete.
+            since = max(self._last_report, counted_at)
+            due = since + self.timeout_s - loop.time()
             await asyncio.sleep(due + 0.005 if due > 0 else self.interval_s)
-            if loop.time() - self._last_report <= self.timeout_s:
+            now = loop.time()
+            if now - self._last_report <= self.timeout_s:
+                continue
+            if now - counted_at < self.timeout_s:
                 continue
             # A report that reached this process while its event loop was busy is read by
             # a callback already queued behind this one: let those run before judging.
@@ -132,6 +145,7 @@ class WorkerMonitor:
             silent = loop.time() - self._last_report
             if silent <= self.timeout_s + 0.02:
                 continue
+            counted_at = loop.time()
             state = self.state
             state.load_failures += 1
             if state.reachable and state.load_failures >= self.failures_to_eject:

@@ -80,7 +80,7 @@ class RouterSettings(ServerSettings):
     """Milliseconds between the load reports each worker streams (WatchLoad)."""
     load_timeout_ms: int = 400
     """A worker whose latest load report is older than this is marked unreachable (a
-    missed poll); another one is counted every load_interval_ms while it stays silent."""
+    missed poll); another one is counted after every further load_timeout_ms of silence."""
     load_failures_to_eject: int = 1
     """Consecutive missed load polls (reports late by load_timeout_ms, or a broken
     WatchLoad stream) after which a worker stops receiving traffic."""
@@ -133,6 +133,11 @@ class RouterSettings(ServerSettings):
     request's deadline fails it with DEADLINE_EXCEEDED at once."""
     retry_max_backoff_ms: float = Field(default=500.0, ge=0.0)
     """Upper bound of the backoff between attempts."""
+    failover_wait_ms: float = Field(default=3000.0, ge=0.0)
+    """How long a request that must move (its worker failed) waits for a routable worker
+    when none is left, within its deadline, before it fails UNAVAILABLE: a worker that
+    missed a load poll while busy comes back, and the accepted request is not lost. A new
+    request with no routable worker fails at once."""
     batch_max_wait_ms: float = 5.0
     """Longest batching window under load; 0 turns batching windows off."""
     batch_max_size: int = 16

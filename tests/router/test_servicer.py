@@ -14,6 +14,7 @@ from grpc_status import rpc_status
 from llmesh.router.v1 import router_pb2
 from services.router.breaker import Circuit
 from services.router.core import Router
+from services.router.workerapi import WorkerCallError
 from tests.router.fakeworker import FakeWorker, RunningFake, next_token, start_fake
 from tests.router.helpers import request, start_router, wait_for
 
@@ -233,6 +234,67 @@ async def test_max_retries_bounds_the_moves_then_unavailable() -> None:
         # One move (counted), then the second failure spends the budget (not a move).
         assert sum(5 - w.worker.fail_before_first for w in workers) == 2
         assert REGISTRY.get_sample_value("llmesh_router_retries_total") == retries + 1
+    finally:
+        await stop_all(rut, workers)
+
+
+def _every_worker_out_for_a_moment(rut, workers: list[RunningFake]) -> None:  # type: ignore[no-untyped-def]
+    """Open every worker's circuit (as one missed load poll of a silent worker does) and
+    fail the requests running on the first one, as when it stops answering."""
+    for w in workers:
+        rut.router.registry.workers[w.address].breaker.record_failure(answering=False)
+    rut.router._dispatchers[workers[0].address].fail_all(
+        WorkerCallError("transport", "UNAVAILABLE", "worker stopped answering load polls"))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_moving_request_waits_for_a_worker_to_come_back(transport: str) -> None:
+    """No routable worker left while a request must move (its worker failed and the other
+    one is out for a moment): it waits (failover_wait_ms) and resumes, losing nothing."""
+    workers = await fakes("zone-a", "zone-b", token_delay_s=0.01)
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], worker_transport=transport,
+                             breaker_base_backoff_s=0.3)
+    try:
+        tokens: list[int] = []
+        final = None
+        async for response in rut.stub.Generate(request([5, 6, 7], 30), timeout=30):
+            if response.HasField("delta"):
+                tokens.extend(response.delta.token_ids)
+                if len(tokens) >= 5 and not rut.router.resume_log and all(
+                    rut.router.registry.workers[w.address].routable() for w in workers
+                ):
+                    _every_worker_out_for_a_moment(rut, workers)
+            else:
+                final = response.final
+        assert final is not None and final.served_by.resumed == 1
+        assert tokens == expected_tokens([5, 6, 7], 30)
+        # A new request while every worker is out fails at once (nothing to wait for).
+        _every_worker_out_for_a_moment(rut, workers)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([1, 2], 4)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "no zone can serve" in (err.value.details() or "")
+        assert time.monotonic() - started < 0.3  # before any circuit half-opens
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_the_wait_for_a_worker_is_bounded_by_failover_wait_ms() -> None:
+    workers = await fakes("zone-a", "zone-b", token_delay_s=0.01)
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], failover_wait_ms=0,
+                             breaker_base_backoff_s=5.0)
+    try:
+        tokens: list[int] = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for response in rut.stub.Generate(request([5, 6, 7], 30), timeout=30):
+                tokens.extend(response.delta.token_ids)
+                if len(tokens) >= 5 and all(
+                    rut.router.registry.workers[w.address].routable() for w in workers
+                ):
+                    _every_worker_out_for_a_moment(rut, workers)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "no zone can serve" in (err.value.details() or "")
     finally:
         await stop_all(rut, workers)
 

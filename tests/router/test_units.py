@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from collections import Counter
 
 import pytest
 
 from services.router.batching import AdaptiveWindow
 from services.router.breaker import Circuit, CircuitBreaker
+from services.router.health import WorkerMonitor
 from services.router.registry import SERVING, ChecksumBook, Load, WorkerInfo, WorkerState
 from services.router.routing import Policy, ZoneLadder, choose, prefix_key
 from services.router.settings import RouterSettings
@@ -224,3 +227,54 @@ def test_checksum_book() -> None:
     assert book.expected("m") == "sha256:good"
     assert book.check("n", "sha256:first", "w3") == ""  # first worker sets it
     assert book.check("n", "sha256:second", "w4")
+
+
+# ---- load watchdog ---------------------------------------------------------------
+
+
+class _SilentAfterOneReport:
+    """A worker client whose WatchLoad stream sends one report and then nothing (SIGSTOP)."""
+
+    address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.reported_at = 0.0
+
+    async def watch_load(self, interval_s: float):  # type: ignore[no-untyped-def]
+        self.reported_at = asyncio.get_running_loop().time()
+        yield Load(running=1)
+        await asyncio.Event().wait()
+
+    async def get_model_info(self, timeout: float) -> WorkerInfo:
+        return WorkerInfo(model="m", tokenizer_checksum="sha256:x", worker_id="w", pid=1)
+
+    async def watch_health(self, service: str):  # type: ignore[no-untyped-def]
+        yield SERVING
+        await asyncio.Event().wait()
+
+
+async def test_each_further_missed_poll_needs_another_full_timeout_of_silence() -> None:
+    """A frontend starved for a little over ``load_timeout`` leaves routing, but its
+    requests move (``unreachable_failover_polls`` = 2) only after a second full timeout."""
+    state = WorkerState("127.0.0.1:1", CircuitBreaker())
+    client = _SilentAfterOneReport()
+    loop = asyncio.get_running_loop()
+    misses: list[tuple[float, int, bool]] = []  # (when, missed polls, reachable)
+
+    def on_change(s: WorkerState) -> None:
+        if s.load_failures:
+            misses.append((loop.time(), s.load_failures, s.reachable))
+
+    monitor = WorkerMonitor(state, client,  # type: ignore[arg-type]
+                            check_info=lambda s, i: None, on_change=on_change,
+                            interval_s=0.02, timeout_s=0.3)
+    monitor.start()
+    try:
+        await asyncio.sleep(1.2)
+    finally:
+        await monitor.stop()
+    # Reports were due every 20 ms; a miss was counted per 300 ms of silence, not per 20 ms.
+    assert [n for _, n, _ in misses] == list(range(1, len(misses) + 1)) and 2 <= len(misses) <= 4
+    assert misses[0][0] - client.reported_at >= 0.3 and not misses[0][2]
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(misses)]
+    assert all(gap >= 0.3 for gap in gaps), gaps
