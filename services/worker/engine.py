@@ -7,7 +7,9 @@ vLLM import. Nothing here imports grpc or vLLM.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -100,6 +102,10 @@ class RequestRejected(InvalidArgument):
     """
 
 
+OutputSink = Callable[["EngineOutput | Exception"], None]
+"""Where the engine puts one request's outputs (see :meth:`Engine.start`)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the worker needs from an inference engine."""
@@ -122,6 +128,20 @@ class Engine(Protocol):
         """
         ...
 
+    async def start(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Hand one request to the engine; its outputs then reach ``sink`` per engine step.
+
+        The engine calls ``sink`` from its own step loop, for every request that advanced
+        in one step within the same event-loop callback, so a caller can fill one frame
+        per step without a task or a generator per request. The last output has
+        ``finish_reason`` set (ABORT after :meth:`abort`). Instead of it, ``sink`` may get
+        an exception: :class:`EngineDeadError` (the engine died) or
+        :class:`RequestRejected` (it refused the request's values); nothing follows one.
+        ``start`` itself may raise either when the request cannot be handed over at all.
+        ``sink`` must not block or raise.
+        """
+        ...
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its iterator then ends with ``FinishReason.ABORT``. Unknown ids are ignored."""
         ...
@@ -137,3 +157,25 @@ class Engine(Protocol):
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""
         ...
+
+
+def start_from_generator(
+    outputs: AsyncGenerator[EngineOutput, None], sink: OutputSink
+) -> asyncio.Task[None]:
+    """:meth:`Engine.start` for an engine that yields one generator per request: a task
+    per request drains it into ``sink`` (no per-step batching; for engines without a
+    step loop of their own). Cancelling the task closes the generator."""
+
+    async def drain() -> None:
+        try:
+            async with contextlib.aclosing(outputs) as events:
+                async for out in events:
+                    sink(out)
+                    if out.finish_reason is not None:
+                        return
+            # The engine ended the stream without a finish reason: an error of this request.
+            sink(EngineOutput([], finish_reason=FinishReason.ERROR))
+        except (EngineDeadError, RequestRejected) as exc:
+            sink(exc)
+
+    return asyncio.ensure_future(drain())

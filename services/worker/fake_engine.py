@@ -37,7 +37,9 @@ from services.worker.engine import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    OutputSink,
     TokenLogprob,
+    start_from_generator,
 )
 
 CONTEXT = 4
@@ -158,6 +160,7 @@ class FakeEngine:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._seen_prompts: set[tuple[int, ...]] = set()
+        self._drains: set[asyncio.Task[None]] = set()
 
     # -- protocol -----------------------------------------------------------------
     @property
@@ -194,6 +197,11 @@ class FakeEngine:
             self._aborted.add(request_id)
             async with self._slot_freed:
                 self._slot_freed.notify_all()
+
+    async def start(self, request: EngineRequest, sink: OutputSink) -> None:
+        task = start_from_generator(self.generate(request), sink)
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
 
     async def shutdown(self) -> None:
         self._dead = True

@@ -25,9 +25,11 @@ from services.worker.engine import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    OutputSink,
     RequestRejected,
     Sampling,
     TokenLogprob,
+    start_from_generator,
 )
 
 from vllm import SamplingParams  # isort: skip
@@ -119,6 +121,7 @@ class VllmEngine:
         self.stats = stats
         self.priority_scheduling = priority_scheduling
         self._loras = {m.name: LoRARequest(m.name, m.int_id, m.path) for m in loras}
+        self._drains: set[asyncio.Task[None]] = set()
         model_config = llm.model_config
         eos: tuple[int, ...] = ()
         try:
@@ -172,6 +175,12 @@ class VllmEngine:
             await self.llm.check_health()
         except VllmEngineDeadError as exc:
             raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
+
+    async def start(self, request: EngineRequest, sink: OutputSink) -> None:
+        # A task per request over AsyncLLM.generate (vLLM hands outputs to a queue per request).
+        task = start_from_generator(self.generate(request), sink)
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
