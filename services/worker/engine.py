@@ -124,7 +124,9 @@ class Engine(Protocol):
         """Token-id deltas of one request; the last output has ``finish_reason`` set.
 
         Raises :class:`EngineDeadError` if the engine dies. Closing the iterator early
-        must free the request in the engine.
+        must free the request in the engine. The worker itself runs requests through
+        :meth:`start`; this is for callers that want one request's stream (benchmarks,
+        tests); :func:`stream_from_start` builds it on :meth:`start`.
         """
         ...
 
@@ -179,3 +181,25 @@ def start_from_generator(
             sink(exc)
 
     return asyncio.ensure_future(drain())
+
+
+async def stream_from_start(engine: Engine, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+    """:meth:`Engine.generate` for an engine with a step loop of its own: one request's
+    outputs from :meth:`Engine.start` through a queue, raising what the sink got instead
+    of an output. Closing it before the last output aborts the request in the engine."""
+    outputs: asyncio.Queue[EngineOutput | Exception] = asyncio.Queue()
+    await engine.start(request, outputs.put_nowait)
+    finished = False
+    try:
+        while True:
+            out = await outputs.get()
+            if isinstance(out, Exception):
+                finished = True
+                raise out
+            yield out
+            if out.finish_reason is not None:
+                finished = True
+                return
+    finally:
+        if not finished:
+            await engine.abort(request.request_id)

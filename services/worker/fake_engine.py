@@ -13,10 +13,12 @@ replay on resume gives the same continuation.
 
 It honours ``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` (a stop id is
 only produced if the hash lands on it), ``logprobs``, abort, a running-request limit
-(further requests wait, and count as waiting) and a step time: one shared timer per step
-gives every running request its next token at once (:class:`StepClock`), as a batched
-accelerator does. It emits EOS only
-with ``eos_after``: then EOS follows the ``eos_after``-th generated token of a request.
+(further requests wait, and count as waiting, until a slot frees) and a step time. It runs
+like a batched accelerator: one timer per step, and when it fires every running request
+gets its next token and its sink is called, all in that one event-loop callback (no task
+or generator per request; :meth:`FakeEngine.start`). A step with no running request arms no
+timer, so an idle fake costs nothing. It emits EOS only with ``eos_after``: then EOS
+follows the ``eos_after``-th generated token of a request.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.modelinfo import max_context_length
@@ -38,8 +40,9 @@ from services.worker.engine import (
     EngineRequest,
     FinishReason,
     OutputSink,
+    RequestRejected,
     TokenLogprob,
-    start_from_generator,
+    stream_from_start,
 )
 
 CONTEXT = 4
@@ -98,40 +101,36 @@ def _logprob(token: int, n_top: int, model: FakeModel) -> TokenLogprob:
     return TokenLogprob(token_id=token, logprob=-0.25, top=top)
 
 
-class StepClock:
-    """One timer per engine step for every running request, like a batched accelerator.
+@dataclass(eq=False)
+class _Sequence:
+    """One request inside the fake: what it generated so far and where its outputs go."""
 
-    A request waiting for its next token joins the step that is pending (the first waiter
-    arms it); when it fires, every request waiting on it gets its token at the same time,
-    as one forward pass over the running batch would give them. So a capacity run sees
-    one wake-up per step, not one timer per token per request: it measures llmesh, not
-    the fake. ``steps`` counts fired steps (tokens per step = batch occupancy).
-    """
+    request: EngineRequest
+    sink: OutputSink
+    sequence: list[int]
+    """Prompt + replayed + generated tokens (the next token hashes its tail)."""
+    limit: int
+    """Tokens it may still generate: ``max_tokens`` or what the context leaves."""
+    arrival: float
+    stops: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    generated: int = 0
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    prompt_tokens: int = field(init=False)
 
-    def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-        self.steps = 0
-        self._pending: asyncio.Event | None = None
+    def __post_init__(self) -> None:
+        self.prompt_tokens = len(self.sequence)
 
-    async def tick(self) -> None:
-        if self.step_s <= 0:
-            await asyncio.sleep(0)
-            return
-        if self._pending is None:
-            self._pending = asyncio.Event()
-            asyncio.get_running_loop().call_later(self.step_s, self._fire)
-        # Event.wait is cancel-safe: an aborted request leaves the step to the others.
-        await self._pending.wait()
-
-    def _fire(self) -> None:
-        step, self._pending = self._pending, None
-        self.steps += 1
-        if step is not None:
-            step.set()
+    def ending(self, reason: FinishReason) -> EngineOutput:
+        """The last output of a request that ends without a new token."""
+        return EngineOutput([], finish_reason=reason, queue_ms=self.queue_ms, ttft_ms=self.ttft_ms,
+                            prompt_tokens=self.prompt_tokens)
 
 
 class FakeEngine:
-    """Implements :class:`services.worker.engine.Engine` deterministically."""
+    """Implements :class:`services.worker.engine.Engine` deterministically, one step at a time."""
 
     def __init__(
         self,
@@ -146,21 +145,23 @@ class FakeEngine:
         self.model = FakeModel.from_dir(model_dir, max_model_len)
         self.echo = echo
         self.token_delay_s = max(0.0, token_delay_ms) / 1000.0
-        self.clock = StepClock(self.token_delay_s)
-        """Every running request gets one token per step of ``token_delay_ms``."""
+        """The step time: every running request gets one token per step."""
         self.eos_after = eos_after
         self.max_running = max(1, max_running)
-        self._running: set[str] = set()
-        self._waiting: set[str] = set()
-        self._aborted: set[str] = set()
-        self._slot_freed = asyncio.Condition()
+        self.steps = 0
+        """Steps that produced tokens (tokens per step = batch occupancy)."""
+        self._running: dict[str, _Sequence] = {}
+        self._waiting: dict[str, _Sequence] = {}
+        """In arrival order: admitted first-come as slots free."""
+        self._step_handle: asyncio.Handle | None = None
+        self._soon: list[tuple[OutputSink, EngineOutput | Exception]] = []
+        """Outputs outside a step (abort, death, no room to generate), delivered together."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead = False
-        self._wedged = asyncio.Event()
-        self._wedged.set()  # set = not wedged (tokens flow)
+        self._wedged = False
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._seen_prompts: set[tuple[int, ...]] = set()
-        self._drains: set[asyncio.Task[None]] = set()
 
     # -- protocol -----------------------------------------------------------------
     @property
@@ -192,70 +193,151 @@ class FakeEngine:
         if self._dead:
             raise EngineDeadError("fake engine killed")
 
-    async def abort(self, request_id: str) -> None:
-        if request_id in self._running or request_id in self._waiting:
-            self._aborted.add(request_id)
-            async with self._slot_freed:
-                self._slot_freed.notify_all()
-
     async def start(self, request: EngineRequest, sink: OutputSink) -> None:
-        task = start_from_generator(self.generate(request), sink)
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
-
-    async def shutdown(self) -> None:
-        self._dead = True
-        self._wedged.set()
-        async with self._slot_freed:
-            self._slot_freed.notify_all()
-
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         rid = request.request_id
         if self._dead:
             raise EngineDeadError("fake engine killed")
-        arrival = time.perf_counter()
+        if rid in self._running or rid in self._waiting:
+            # The worker never does this (it refuses an id in flight); vLLM would run both.
+            raise RequestRejected("request.request_id", f"request id {rid!r} is already in the engine")
+        self._loop = asyncio.get_running_loop()
         # The next token is a pure function of the sequence, so forced replay of earlier
         # tokens is the same as having them in the prompt.
-        prompt = tuple(request.prompt_token_ids) + tuple(request.replay_token_ids)
-        self._account_prefix(prompt)
-        self._waiting.add(rid)
-        try:
-            async with self._slot_freed:
-                await self._slot_freed.wait_for(
-                    lambda: len(self._running) < self.max_running or rid in self._aborted or self._dead
-                )
-            self._waiting.discard(rid)
-            if self._dead:
-                raise EngineDeadError("fake engine killed")
-            queue_ms = (time.perf_counter() - arrival) * 1000.0
-            self._running.add(rid)
-            async for output in self._decode(request, prompt, arrival, queue_ms):
-                yield output
-        finally:
-            self._waiting.discard(rid)
-            self._running.discard(rid)
-            self._aborted.discard(rid)
-            async with self._slot_freed:
-                self._slot_freed.notify_all()
+        prompt = [*request.prompt_token_ids, *request.replay_token_ids]
+        self._account_prefix(tuple(prompt))
+        sampling = request.sampling
+        limit = self.model.max_model_len - len(prompt)
+        if sampling.max_tokens is not None:
+            limit = min(limit, sampling.max_tokens)
+        self._waiting[rid] = _Sequence(
+            request, sink, prompt, limit, time.perf_counter(), stops=frozenset(sampling.stop_token_ids),
+            min_tokens=sampling.min_tokens or 0,  # unset: the engine's default
+            ignore_eos=bool(sampling.ignore_eos),
+        )
+        self._admit()
+
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        return stream_from_start(self, request)
+
+    async def abort(self, request_id: str) -> None:
+        seq = self._running.pop(request_id, None)
+        if seq is None:
+            seq = self._waiting.pop(request_id, None)
+        if seq is not None:
+            # Gone from the engine now (its id may be taken again); its ABORT output follows.
+            self._deliver_soon(seq.sink, seq.ending(FinishReason.ABORT))
+            self._admit()
+
+    async def shutdown(self) -> None:
+        self.kill()
 
     # -- test hooks -----------------------------------------------------------------
     def kill(self) -> None:
-        """Simulate engine death: running generations fail with EngineDeadError."""
+        """Simulate engine death: every request's sink gets EngineDeadError."""
         self._dead = True
-        self._wedged.set()
+        if self._step_handle is not None:
+            self._step_handle.cancel()
+            self._step_handle = None
+        doomed = [*self._running.values(), *self._waiting.values()]
+        self._running.clear()
+        self._waiting.clear()
+        for seq in doomed:
+            self._deliver_soon(seq.sink, EngineDeadError("fake engine killed"))
 
     def wedge(self, wedged: bool = True) -> None:
-        """Simulate a wedged engine: no token is produced until un-wedged."""
-        if wedged:
-            self._wedged.clear()
-        else:
-            self._wedged.set()
+        """Simulate a wedged engine: no step runs (no token) until un-wedged."""
+        self._wedged = wedged
+        self._arm()
 
     @property
     def wedged(self) -> bool:
-        return not self._wedged.is_set()
+        return self._wedged
 
-    # -- internals -------------------------------------------------------------------
+    # -- the step loop -------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (first come, first served), and make sure
+        a step is coming for the running ones."""
+        while self._waiting and len(self._running) < self.max_running:
+            rid = next(iter(self._waiting))
+            seq = self._waiting.pop(rid)
+            seq.queue_ms = (time.perf_counter() - seq.arrival) * 1000.0
+            if seq.limit <= 0:  # prompt and replay fill the context: nothing to generate
+                self._deliver_soon(seq.sink, seq.ending(FinishReason.LENGTH))
+                continue
+            self._running[rid] = seq
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._step_handle is None and self._running and not self._wedged and not self._dead:
+            assert self._loop is not None  # set by start(), before anything runs
+            if self.token_delay_s > 0:
+                self._step_handle = self._loop.call_later(self.token_delay_s, self._step)
+            else:
+                self._step_handle = self._loop.call_soon(self._step)
+
+    def _step(self) -> None:
+        """One forward pass over the running batch: every running request gets its next
+        token, and every sink is called here, in this one callback."""
+        self._step_handle = None
+        if self._wedged or self._dead or not self._running:
+            return
+        self.steps += 1
+        now = time.perf_counter()
+        delivered: list[tuple[OutputSink, EngineOutput]] = []
+        finished: list[str] = []
+        for rid, seq in self._running.items():
+            out = self._advance(seq, now)
+            delivered.append((seq.sink, out))
+            if out.finish_reason is not None:
+                finished.append(rid)
+        for rid in finished:
+            del self._running[rid]
+        if finished:
+            self._admit()
+        else:
+            self._arm()
+        for sink, out in delivered:
+            sink(out)
+
+    def _advance(self, seq: _Sequence, now: float) -> EngineOutput:
+        """The next token of one running request, as its output (finished when it ends)."""
+        request = seq.request
+        may_stop = seq.generated >= seq.min_tokens
+        if self.eos_after and seq.generated >= self.eos_after and may_stop and not seq.ignore_eos:
+            token = self.model.eos_token_id
+        elif self.echo and request.prompt_token_ids:
+            source = request.prompt_token_ids
+            token = source[(len(seq.sequence) - len(source)) % len(source)]
+        else:
+            token = next_token(seq.sequence, self.model)
+        seq.sequence.append(token)
+        seq.generated += 1
+        if seq.ttft_ms is None:
+            seq.ttft_ms = (now - seq.arrival) * 1000.0
+        n_logprobs = request.sampling.logprobs
+        logprobs = [_logprob(token, n_logprobs, self.model)] if n_logprobs is not None else None
+        finish: FinishReason | None = None
+        stop_id: int | None = None
+        if may_stop and (token in seq.stops or (token == self.model.eos_token_id and not seq.ignore_eos)):
+            finish, stop_id = FinishReason.STOP, token
+        elif seq.generated >= seq.limit:
+            finish = FinishReason.LENGTH
+        return EngineOutput([token], logprobs=logprobs, finish_reason=finish, stop_token_id=stop_id,
+                            queue_ms=seq.queue_ms, ttft_ms=seq.ttft_ms, prompt_tokens=seq.prompt_tokens)
+
+    def _deliver_soon(self, sink: OutputSink, out: EngineOutput | Exception) -> None:
+        """Hand ``out`` to ``sink`` from the loop, not from inside the caller (an abort, a
+        kill): every such output of one loop iteration goes out in one callback."""
+        if not self._soon:
+            assert self._loop is not None
+            self._loop.call_soon(self._deliver)
+        self._soon.append((sink, out))
+
+    def _deliver(self) -> None:
+        soon, self._soon = self._soon, []
+        for sink, out in soon:
+            sink(out)
+
     def _account_prefix(self, prompt: tuple[int, ...]) -> None:
         # A coarse prefix cache: a prompt whose first half was seen before counts as a hit.
         half = prompt[: max(1, len(prompt) // 2)]
@@ -265,65 +347,6 @@ class FakeEngine:
         self._seen_prompts.add(half)
         if len(self._seen_prompts) > 4096:
             self._seen_prompts.clear()
-
-    async def _decode(
-        self, request: EngineRequest, prompt: tuple[int, ...], arrival: float, queue_ms: float
-    ) -> AsyncGenerator[EngineOutput, None]:
-        sampling = request.sampling
-        limit = self.model.max_model_len - len(prompt)
-        if sampling.max_tokens is not None:
-            limit = min(limit, sampling.max_tokens)
-        sequence = list(prompt)
-        stops = set(sampling.stop_token_ids)
-        min_tokens = sampling.min_tokens or 0  # unset: the engine's default
-        ignore_eos = bool(sampling.ignore_eos)
-        generated = 0
-        ttft_ms: float | None = None
-        prompt_tokens = len(prompt)
-        rid = request.request_id
-        while True:
-            if rid in self._aborted:
-                yield EngineOutput([], finish_reason=FinishReason.ABORT, queue_ms=queue_ms,
-                                   ttft_ms=ttft_ms, prompt_tokens=prompt_tokens)
-                return
-            if generated >= limit:
-                yield EngineOutput([], finish_reason=FinishReason.LENGTH, queue_ms=queue_ms,
-                                   ttft_ms=ttft_ms, prompt_tokens=prompt_tokens)
-                return
-            await self.clock.tick()
-            if not self._wedged.is_set():
-                await self._wedged.wait()
-            if self._dead:
-                raise EngineDeadError("fake engine killed")
-            if rid in self._aborted:
-                continue
-            may_stop = generated >= min_tokens
-            if self.eos_after and generated >= self.eos_after and may_stop and not ignore_eos:
-                token = self.model.eos_token_id
-            elif self.echo and request.prompt_token_ids:
-                source = request.prompt_token_ids
-                token = source[(len(sequence) - len(source)) % len(source)]
-            else:
-                token = next_token(sequence, self.model)
-            sequence.append(token)
-            generated += 1
-            if ttft_ms is None:
-                ttft_ms = (time.perf_counter() - arrival) * 1000.0
-            logprobs = (
-                [_logprob(token, sampling.logprobs, self.model)] if sampling.logprobs is not None else None
-            )
-            finish: FinishReason | None = None
-            stop_id: int | None = None
-            if may_stop and (
-                token in stops or (token == self.model.eos_token_id and not ignore_eos)
-            ):
-                finish, stop_id = FinishReason.STOP, token
-            elif generated >= limit:
-                finish = FinishReason.LENGTH
-            yield EngineOutput([token], logprobs=logprobs, finish_reason=finish, stop_token_id=stop_id,
-                               queue_ms=queue_ms, ttft_ms=ttft_ms, prompt_tokens=prompt_tokens)
-            if finish is not None:
-                return
 
 
 def fake_greedy(prompt: list[int], n: int, model: FakeModel) -> list[int]:

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.worker.engine import Engine, EngineDeadError, EngineRequest, FinishReason, Sampling
+from services.worker.engine import (
+    Engine,
+    EngineDeadError,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    Sampling,
+)
 from services.worker.fake_engine import FakeEngine, FakeModel, fake_greedy, next_token
 
 
@@ -177,12 +186,82 @@ async def test_one_step_gives_every_running_request_its_token(tiny_deepseek_dir:
     engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=10, max_running=16)
     results = await asyncio.gather(*(run(engine, [5, i], max_tokens=10) for i in range(8)))
     assert all(len(tokens) == 10 for tokens, _ in results)
-    assert 10 <= engine.clock.steps <= 13, engine.clock.steps
-    before = engine.clock.steps
+    assert 10 <= engine.steps <= 13, engine.steps
+    before = engine.steps
     victim = asyncio.ensure_future(run(engine, [9, 9], max_tokens=50))
     survivor = asyncio.ensure_future(run(engine, [7, 7], max_tokens=5))
     await asyncio.sleep(0.025)
     victim.cancel()
     tokens, last = await survivor
     assert tokens == fake_greedy([7, 7], 5, engine.model) and last.finish_reason is FinishReason.LENGTH
-    assert engine.clock.steps - before <= 7
+    assert engine.steps - before <= 7
+
+
+async def test_a_step_hands_every_running_request_its_token_in_one_callback(tiny_deepseek_dir: Path) -> None:
+    """No task or generator per request: each step is one timer callback that calls the
+    sink of every running request (outside any task), one step after the other; once
+    nothing runs no timer is armed."""
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=1, max_running=16)
+    calls: list[tuple[int, str, object]] = []
+    finals: dict[str, EngineOutput] = {}
+    all_done = asyncio.Event()
+
+    def sink_for(rid: str) -> Callable[[EngineOutput | Exception], None]:
+        def sink(out: EngineOutput | Exception) -> None:
+            assert isinstance(out, EngineOutput)
+            calls.append((engine.steps, rid, asyncio.current_task()))
+            if out.finished:
+                finals[rid] = out
+                if len(finals) == 8:
+                    all_done.set()
+        return sink
+
+    ids = [f"s{i}" for i in range(8)]
+    for i, rid in enumerate(ids):
+        await engine.start(EngineRequest(rid, (5, i), Sampling(max_tokens=10)), sink_for(rid))
+    await asyncio.wait_for(all_done.wait(), 10)
+    assert all(task is None for _, _, task in calls), "a sink ran inside a task"
+    steps = [step for step, _, _ in calls]
+    assert steps == sorted(steps), "one step's outputs were interleaved with another's"
+    by_step: dict[int, list[str]] = defaultdict(list)
+    for step, rid, _ in calls:
+        by_step[step].append(rid)
+    assert sorted(by_step) == list(range(1, 11))
+    assert all(sorted(rids) == ids for rids in by_step.values())
+    assert all(out.finish_reason is FinishReason.LENGTH for out in finals.values())
+    assert engine._step_handle is None  # idle: no timer
+
+
+async def test_kill_and_abort_reach_running_and_waiting_sinks(tiny_deepseek_dir: Path) -> None:
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=1, max_running=2)
+    got: dict[str, list[EngineOutput | Exception]] = defaultdict(list)
+    changed = asyncio.Event()
+
+    def sink_for(rid: str) -> Callable[[EngineOutput | Exception], None]:
+        def sink(out: EngineOutput | Exception) -> None:
+            got[rid].append(out)
+            changed.set()
+        return sink
+
+    async def until(condition: Callable[[], bool]) -> None:
+        while not condition():
+            changed.clear()
+            await asyncio.wait_for(changed.wait(), 5)
+
+    for i in range(4):
+        rid = f"k{i}"
+        await engine.start(EngineRequest(rid, (5, i), Sampling(max_tokens=10_000)), sink_for(rid))
+    assert (engine.load().running, engine.load().waiting) == (2, 2)
+    await engine.abort("k3")  # waiting: leaves at once, ends ABORT
+    await engine.abort("k0")  # running: its slot goes to k2
+    assert (engine.load().running, engine.load().waiting) == (2, 0)
+    await until(lambda: bool(got["k0"] and got["k3"]))
+    for rid in ("k0", "k3"):
+        last = got[rid][-1]
+        assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.ABORT
+    await until(lambda: bool(got["k2"]))
+    engine.kill()
+    assert engine.load().running == 0
+    await until(lambda: all(got[rid] and isinstance(got[rid][-1], EngineDeadError) for rid in ("k1", "k2")))
+    with pytest.raises(EngineDeadError):
+        await engine.start(EngineRequest("late", (5,)), sink_for("late"))
