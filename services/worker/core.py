@@ -3,6 +3,13 @@
 No grpc import: the servicer converts protos to :mod:`services.worker.engine` types and
 calls :class:`WorkerCore`; errors are raised as :mod:`services.common.errors` types and
 mapped to status codes in one place (the shared interceptor).
+
+Every request runs as an :class:`EngineRun`: the engine calls its sink from its own step
+loop (:meth:`Engine.start`), and the run hands Delta / Final / an error to a consumer
+callback, so the outputs of one engine step reach every consumer in one event-loop
+callback, with no task or generator per request. :meth:`WorkerCore.generate` (the
+Generate RPC) is a thin consumer over a queue; :meth:`WorkerCore.generate_batch` shares
+one queue among its requests; the Session feeds its frame straight from the callbacks.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from services.common import sampling
 from services.common.errors import FieldViolation, InvalidArgument, LlmeshError, NotFound, Unavailable
@@ -69,13 +77,6 @@ class LoadReport:
     engine: EngineLoad
     in_flight: int
     max_num_seqs: int
-
-
-@dataclass
-class _InFlight:
-    request_id: str
-    aborted: bool = False
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 ABORTED_ID_WAIT_S = 2.0
@@ -155,6 +156,175 @@ def request_violations(req: EngineRequest, info: EngineInfo, prefix: str) -> lis
     return v
 
 
+# -- one request on the engine -----------------------------------------------------------
+
+Consumer: TypeAlias = Callable[["Delta | Final | Exception"], None]
+"""Where an :class:`EngineRun` hands its request's events: deltas, then one Final, or one
+exception instead of the Final (Unavailable when the engine died, the engine's
+RequestRejected, InvalidArgument for an id still held by another request). Called from the
+engine's step callback: it must not block or raise."""
+
+
+class EngineRun:
+    """One request on the engine, fed by the engine's sink (no task, no generator).
+
+    It does the core's bookkeeping for its request: in flight under its id from
+    :meth:`start` until the engine let go of it, first-token time, tokens counted, the
+    Final (with its metrics) from the engine's last output, engine death (Unavailable, and
+    the worker told), the engine's refusal (RequestRejected, counted), and hands each
+    event to ``consumer``. :meth:`detach` / :meth:`cancel` are for a consumer that goes
+    away (cancelled call, passed deadline, closed session): nothing more reaches it, the
+    request is aborted in the engine and its id freed.
+    """
+
+    __slots__ = ("_consumer", "_first_token_at", "_registered", "_starting", "aborted", "completion",
+                 "core", "ended", "request", "request_id", "started_at")
+
+    def __init__(self, core: WorkerCore, request: EngineRequest, consumer: Consumer) -> None:
+        self.core = core
+        self.request = request
+        self.request_id = request.request_id
+        self._consumer: Consumer | None = consumer
+        self.aborted = False
+        """Aborted by its caller (Abort, abort by handle): it ends with an ABORT final, and
+        its id may be taken again once it left the engine."""
+        self.ended = asyncio.Event()
+        """Set once it is no longer in flight (its id is free)."""
+        self._registered = False
+        self._starting = False
+        self.started_at = time.perf_counter()
+        self._first_token_at: float | None = None
+        self.completion = 0
+
+    @property
+    def done(self) -> bool:
+        """Nothing more reaches the consumer (it got its last event, or went away)."""
+        return self._consumer is None
+
+    @property
+    def in_engine(self) -> bool:
+        """In flight under its id (handed to the engine, not yet let go of)."""
+        return self._registered
+
+    async def start(self) -> None:
+        """Hand the request to the engine, once an aborted request under the same id left
+        it. Never raises (but CancelledError): a refusal goes to the consumer. A run
+        aborted before it got here ends at once with an ABORT final."""
+        core = self.core
+        rid = self.request_id
+        if self.done:
+            return
+        if core.health.engine_dead or core.engine.errored:
+            core._engine_died("engine is dead")
+            self._end(Unavailable("the engine of this worker is dead"))
+            return
+        if rid in core._in_flight:
+            try:
+                await core._wait_for_aborted(rid)
+            except InvalidArgument as exc:
+                self._end(exc)
+                return
+            if self.done:
+                return
+        if self.aborted:
+            self._finish(EngineOutput([], finish_reason=FinishReason.ABORT))
+            return
+        core._in_flight[rid] = self
+        self._registered = True
+        metrics.IN_FLIGHT.set(len(core._in_flight))
+        self._starting = True
+        try:
+            await core.engine.start(self.request, self._on_output)
+        except (EngineDeadError, RequestRejected) as exc:
+            self._on_output(exc)
+        except asyncio.CancelledError:
+            self.detach()
+            await self._leave_engine()
+            raise
+        except Exception as exc:
+            log.exception("request %s failed in the engine", rid)
+            self._on_output(exc)
+        finally:
+            self._starting = False
+        if self._registered and self.done:
+            # Its consumer left while the engine took it: abort it now and free its id.
+            await self._leave_engine()
+        elif self._registered and self.aborted:
+            # Aborted while the engine took it: the abort then may have found nothing to stop.
+            await core._abort_in_engine(rid)
+
+    def detach(self) -> None:
+        """The consumer goes away: nothing more reaches it. :meth:`cancel` then aborts the
+        request in the engine; until then it stays in flight (its id taken)."""
+        if self._consumer is not None:
+            self._consumer = None
+            self.aborted = True
+
+    async def cancel(self) -> None:
+        """:meth:`detach`, abort the request in the engine and free its id."""
+        self.detach()
+        if not self._starting:  # else start() does it once the engine has the request
+            await self._leave_engine()
+
+    async def _leave_engine(self) -> None:
+        if self._registered:
+            await self.core._abort_in_engine(self.request_id)
+            self._release()
+
+    def _on_output(self, out: EngineOutput | Exception) -> None:
+        """The engine's sink: one output (or why the request failed) of one step."""
+        consumer = self._consumer
+        if consumer is None:  # the consumer left; the engine is done with it at its end
+            if isinstance(out, Exception) or out.finish_reason is not None:
+                if isinstance(out, EngineDeadError):
+                    self.core._engine_died(str(out) or "engine died")
+                self._release()
+            return
+        if isinstance(out, Exception):
+            error: Exception = out
+            if isinstance(out, EngineDeadError):
+                self.core._engine_died(str(out) or "engine died")
+                error = Unavailable("the engine of this worker died")
+                error.__cause__ = out
+            elif isinstance(out, RequestRejected):
+                metrics.REJECTED.inc()
+            elif not isinstance(out, LlmeshError):
+                log.error("request %s failed in the engine", self.request_id, exc_info=out)
+            self._end(error)
+            return
+        token_ids = out.token_ids
+        if token_ids:
+            if self._first_token_at is None:
+                self._first_token_at = time.perf_counter()
+            self.completion += len(token_ids)
+            self.core._tokens_produced += len(token_ids)
+            consumer(Delta(token_ids, out.logprobs))
+        if out.finish_reason is not None:
+            self._finish(out)
+
+    def _finish(self, out: EngineOutput) -> None:
+        reason = FinishReason.ABORT if self.aborted else out.finish_reason
+        assert reason is not None
+        self._end(self.core._final(reason, out, self.completion, self.started_at, self._first_token_at,
+                                   self.request_id))
+
+    def _end(self, event: Final | Exception) -> None:
+        consumer, self._consumer = self._consumer, None
+        self._release()
+        if consumer is not None:
+            consumer(event)
+
+    def _release(self) -> None:
+        """No longer in flight: its id is free."""
+        if self._registered:
+            self._registered = False
+            in_flight = self.core._in_flight
+            if in_flight.get(self.request_id) is self:
+                del in_flight[self.request_id]
+            metrics.IN_FLIGHT.set(len(in_flight))
+        self.ended.set()
+
+
 # -- the core ---------------------------------------------------------------------------
 
 class WorkerCore:
@@ -170,7 +340,7 @@ class WorkerCore:
         self.engine = engine
         self.identity = identity
         self.health = HealthState()
-        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight: dict[str, EngineRun] = {}
         self._on_engine_dead = on_engine_dead
         self._dead_reported = False
         self._canary_seq = 0
@@ -208,66 +378,30 @@ class WorkerCore:
         """Deltas, then one Final. Cancelling (or closing) the iterator aborts the request."""
         if not validated:
             self.validate(req)
-        if self.health.engine_dead or self.engine.errored:
-            self._engine_died("engine is dead")
-            raise Unavailable("the engine of this worker is dead")
-        rid = req.request_id
-        request_id_var.set(rid)  # this request's log lines carry its id (the task's own context)
-        if rid in self._in_flight:
-            await self._wait_for_aborted(rid)
-        state = _InFlight(rid)
-        self._in_flight[rid] = state
-        metrics.IN_FLIGHT.set(len(self._in_flight))
-        start = time.perf_counter()
-        first_token_at: float | None = None
-        completion = 0
-        last: EngineOutput | None = None
-        finished = False
+        request_id_var.set(req.request_id)  # this request's log lines carry its id (the task's own context)
+        events: asyncio.Queue[Event | Exception] = asyncio.Queue()
+        run = EngineRun(self, req, events.put_nowait)
         try:
-            # Closed here, not whenever it is collected: its clean-up (the engine's abort of an
-            # unfinished sequence) must run before this request's id may be taken again.
-            async with contextlib.aclosing(self.engine.generate(req)) as outputs:
-                async for out in outputs:
-                    last = out
-                    if out.token_ids:
-                        if first_token_at is None:
-                            first_token_at = time.perf_counter()
-                        completion += len(out.token_ids)
-                        self._tokens_produced += len(out.token_ids)
-                        yield Delta(out.token_ids, out.logprobs)
-                    if out.finish_reason is not None:
-                        finished = True
-                        reason = FinishReason.ABORT if state.aborted else out.finish_reason
-                        yield self._final(reason, out, completion, start, first_token_at)
-                        return
-            # The engine ended the stream without a finish reason: report it as an error.
-            finished = True
-            yield self._final(FinishReason.ERROR, last, completion, start, first_token_at)
-        except EngineDeadError as exc:
-            self._engine_died(str(exc) or "engine died")
-            raise Unavailable("the engine of this worker died") from exc
-        except RequestRejected:
-            metrics.REJECTED.inc()
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            # The caller went away (cancelled, deadline passed): free the engine's sequence.
-            if not finished:
-                state.aborted = True  # its id may be taken again while the engine frees it
-                await self._abort_in_engine(rid)
-            raise
+            await run.start()
+            while True:
+                event = await events.get()
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if isinstance(event, Final):
+                    return
         finally:
-            if self._in_flight.get(rid) is state:
-                del self._in_flight[rid]
-            state.ended.set()
-            metrics.IN_FLIGHT.set(len(self._in_flight))
+            # The caller went away (cancelled, deadline passed) before the end: free the
+            # engine's sequence; a no-op once the run ended.
+            await run.cancel()
 
     def _running_under(self, request_id: str) -> bool:
         """Whether a request runs under ``request_id`` and is not being aborted. An aborted
         one is on its way out: a caller that cancelled and at once sent its request again
         under the same id (or a router resuming onto this worker) waits for it instead of
         being refused."""
-        state = self._in_flight.get(request_id)
-        return state is not None and not state.aborted
+        run = self._in_flight.get(request_id)
+        return run is not None and not run.aborted
 
     async def _wait_for_aborted(self, request_id: str) -> None:
         """Wait (up to :data:`ABORTED_ID_WAIT_S`) until no aborted request holds
@@ -275,8 +409,8 @@ class WorkerCore:
         this request a duplicate."""
         try:
             async with asyncio.timeout(ABORTED_ID_WAIT_S):
-                while (state := self._in_flight.get(request_id)) is not None and state.aborted:
-                    await state.ended.wait()
+                while (run := self._in_flight.get(request_id)) is not None and run.aborted:
+                    await run.ended.wait()
         except TimeoutError:
             pass
         if request_id in self._in_flight:
@@ -318,61 +452,57 @@ class WorkerCore:
         if not runnable:
             return
 
-        queue: asyncio.Queue[tuple[str, Event | Failed] | BaseException | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, Event | Failed] | Unavailable] = asyncio.Queue()
 
-        async def pump(req: EngineRequest) -> None:
-            try:
-                async with contextlib.aclosing(self.generate(req, validated=True)) as events:
-                    async for event in events:
-                        queue.put_nowait((req.request_id, event))
-            except asyncio.CancelledError:
-                raise
-            except Unavailable as exc:  # the engine died: nothing in this call can finish
-                queue.put_nowait(exc)
-            except Exception as exc:
-                if not isinstance(exc, LlmeshError):
-                    log.exception("request %s failed in the engine", req.request_id)
-                queue.put_nowait((req.request_id, Failed(exc)))
-            finally:
-                queue.put_nowait(None)
+        def consumer_for(request_id: str) -> Consumer:
+            def consume(event: Event | Exception) -> None:
+                if isinstance(event, Unavailable):  # the engine died: nothing in this call can finish
+                    queue.put_nowait(event)
+                elif isinstance(event, Exception):
+                    queue.put_nowait((request_id, Failed(event)))
+                else:
+                    queue.put_nowait((request_id, event))
+            return consume
 
-        tasks = [asyncio.ensure_future(pump(req)) for req in runnable]
-        remaining = len(tasks)
+        runs = [EngineRun(self, req, consumer_for(req.request_id)) for req in runnable]
         try:
+            for run in runs:
+                await run.start()
+            remaining = len(runs)
             while remaining:
                 item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
+                if isinstance(item, Unavailable):
                     raise item
-                else:
-                    yield item
+                if isinstance(item[1], Final | Failed):
+                    remaining -= 1
+                yield item
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            unfinished = [run for run in runs if not run.done]
+            if unfinished:
+                await asyncio.gather(*(run.cancel() for run in unfinished))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in flight; its stream ends with finish reason ABORT."""
-        state = self.mark_aborted(request_id)
-        if state is None:
+        run = self.mark_aborted(request_id)
+        if run is None:
             raise NotFound(f"request_id {request_id!r} is not in flight on this worker")
-        await self.abort_marked(state)
+        await self.abort_marked(run)
 
-    def mark_aborted(self, request_id: str) -> _InFlight | None:
+    def mark_aborted(self, request_id: str) -> EngineRun | None:
         """Note at once that the request under ``request_id`` is being aborted (its stream
         will end ABORT, and its id may be taken again once it left the engine); None if
         none is in flight. :meth:`abort_marked` then stops it in the engine."""
-        state = self._in_flight.get(request_id)
-        if state is not None:
-            state.aborted = True
-        return state
+        run = self._in_flight.get(request_id)
+        if run is not None:
+            run.aborted = True
+        return run
 
-    async def abort_marked(self, state: _InFlight) -> None:
-        """Abort this request in the engine, unless it already ended: the engine knows
-        requests by id, and the id may by now belong to a newer request."""
-        if not state.ended.is_set():
-            await self.engine.abort(state.request_id)
+    async def abort_marked(self, run: EngineRun) -> None:
+        """Abort this request in the engine, unless it already left it: the engine knows
+        requests by id, and the id may by now belong to a newer request. (A run still
+        being handed over is aborted by its :meth:`EngineRun.start` once the engine has it.)"""
+        if run.in_engine:
+            await self.engine.abort(run.request_id)
 
     def load(self) -> LoadReport:
         return LoadReport(
@@ -398,22 +528,27 @@ class WorkerCore:
     async def run_canary(self, timeout_s: float, max_tokens: int = 1, logprobs: int | None = None) -> bool:
         """One generation that must yield a token within ``timeout_s``; never raises."""
         req = self.canary_request(max_tokens, logprobs)
+        # Straight on the engine, not an EngineRun: a canary is neither in flight nor counted.
+        outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         got_token = False
 
-        async def run() -> None:
+        def sink(out: EngineOutput | Exception) -> None:
             nonlocal got_token
-            async with contextlib.aclosing(self.engine.generate(req)) as outputs:
-                async for out in outputs:
-                    if out.token_ids:
-                        got_token = True
-                    if out.finish_reason is not None:
-                        return
+            if outcome.done():
+                return
+            if isinstance(out, Exception):
+                outcome.set_exception(out)
+                return
+            got_token = got_token or bool(out.token_ids)
+            if out.finish_reason is not None:
+                outcome.set_result(got_token)
 
         ok = False
         produced_before = self._tokens_produced
         try:
-            await asyncio.wait_for(run(), timeout_s)
-            ok = got_token
+            async with asyncio.timeout(timeout_s):
+                await self.engine.start(req, sink)
+                ok = await outcome
             if not ok:
                 self.health.last_error = "canary produced no token"
         except TimeoutError:
@@ -431,6 +566,7 @@ class WorkerCore:
             self.health.last_error = f"canary failed: {type(exc).__name__}"
             log.warning("canary failed: %s", exc)
         finally:
+            outcome.cancel()  # a late output finds it done (and no exception goes unretrieved)
             with contextlib.suppress(Exception):
                 await self.engine.abort(req.request_id)
         if self.engine.errored:
@@ -519,7 +655,7 @@ class WorkerCore:
 
     def _final(
         self, reason: FinishReason, out: EngineOutput | None, completion: int, start: float,
-        first_token_at: float | None,
+        first_token_at: float | None, request_id: str = "",
     ) -> Final:
         now = time.perf_counter()
         total_ms = (now - start) * 1000.0
@@ -530,7 +666,7 @@ class WorkerCore:
         metrics.GENERATED_TOKENS.inc(completion)
         if first_token_at is not None:
             metrics.TTFT.observe(ttft_ms / 1000.0)
-        log.debug("request finished: %s prompt=%d completion=%d ttft_ms=%.1f total_ms=%.1f",
+        log.debug("request %s finished: %s prompt=%d completion=%d ttft_ms=%.1f total_ms=%.1f", request_id,
                   reason.value, out.prompt_tokens if out is not None else 0, completion, ttft_ms, total_ms)
         return Final(
             finish_reason=reason,

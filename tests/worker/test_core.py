@@ -9,7 +9,7 @@ import pytest
 
 from services.common.errors import InvalidArgument, NotFound
 from services.worker.core import Failed, Final, WorkerCore, WorkerIdentity, request_violations
-from services.worker.engine import EngineInfo, EngineRequest, RequestRejected, Sampling
+from services.worker.engine import EngineInfo, EngineRequest, OutputSink, RequestRejected, Sampling
 from services.worker.fake_engine import FakeEngine
 from services.worker.server import engine_args, resolve_device, worker_identity
 from services.worker.settings import WorkerSettings
@@ -99,14 +99,14 @@ async def test_an_engine_rejection_fails_only_that_request_of_a_batch(tiny_deeps
     """The engine refusing one request (RequestRejected) ends it with its own error; the
     batch goes on and nothing marks the engine unhealthy."""
     engine = FakeEngine(tiny_deepseek_dir)
-    real_generate = engine.generate
+    real_start = engine.start
 
-    def generate(request: EngineRequest):  # type: ignore[no-untyped-def]
+    async def start(request: EngineRequest, sink: OutputSink) -> None:
         if request.request_id == "poison":
             raise RequestRejected("request.sampling.seed", "refused by the engine")
-        return real_generate(request)
+        await real_start(request, sink)
 
-    engine.generate = generate  # type: ignore[method-assign]
+    engine.start = start  # type: ignore[method-assign]
     core = WorkerCore(engine, WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1))
     events = [e async for e in core.generate_batch([
         EngineRequest("poison", (5, 6), Sampling(max_tokens=2)),
