@@ -1,16 +1,22 @@
 """The server side of a multiplexed Session: requests by handle, one frame per tick (no grpc).
 
-A Session call carries many requests under handles its caller chose. Each request runs
-in a task of its own, and what the requests produce is collected into one frame. The
-first event after a flush schedules the next flush with ``call_soon``; every event the
-other requests produce before the event loop gets to it lands in the same frame. An
-engine step (or a worker frame on the router) wakes all its requests in the same loop
-iteration, so a step's output for many requests crosses the hop as one message.
+A Session call carries many requests under handles its caller chose, and what the
+requests produce is collected into one frame. The first event after a flush schedules
+the next flush with ``call_soon``; every event the other requests produce before the
+event loop gets to it lands in the same frame. An engine step (or a worker frame on the
+router) wakes all its requests in the same loop iteration, so a step's output for many
+requests crosses the hop as one message.
 
-:class:`FramedSession` owns that machinery: the handles' tasks, the frame being filled,
-the per-tick flush, the end of input, the frames iterator, and what every request shares
-around its work (a passed deadline, a failure, the handle freed when it ends). What a
-frame holds, how a request runs and how it is aborted belong to each tier's session.
+A request runs either in a task of its own (:meth:`FramedSession._start`: the router's
+requests, each a chain of awaits) or without one (:meth:`FramedSession._open` ...
+:meth:`FramedSession._ended`: the worker's, fed by engine callbacks, so one engine step
+fills one frame with no task wakeup per request).
+
+:class:`FramedSession` owns that machinery: the handles, the frame being filled, the
+per-tick flush, the end of input, the frames iterator, and what every request shares
+around its work (a passed deadline, a failure, the handle freed when it ends, the RPC
+metrics). What a frame holds, how a request runs and how it is aborted belong to each
+tier's session.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class FramedSession(ABC, Generic[FrameT]):
 
     def __init__(self) -> None:
         self._tasks: dict[int, asyncio.Task[str]] = {}
+        self._taskless: dict[int, float] = {}
+        """Handles of requests running without a task (see :meth:`_open`) -> start time."""
         self._cancelling: set[asyncio.Task[str]] = set()
         """Tasks cancelled by :meth:`_cancel`, no longer under a handle, until they end."""
         self._request_ids: dict[int, str] = {}
@@ -82,7 +90,7 @@ class FramedSession(ABC, Generic[FrameT]):
     # -- the session -----------------------------------------------------------------
     @property
     def running(self) -> int:
-        return len(self._tasks)
+        return len(self._tasks) + len(self._taskless)
 
     def input_done(self) -> None:
         """The caller sends no more submissions: frames end once the running ones finish."""
@@ -99,7 +107,7 @@ class FramedSession(ABC, Generic[FrameT]):
             if self._has_content(frame):
                 self.frames_sent += 1
                 yield frame
-            if self._input_done and not self._tasks and not self._has_content(self._frame):
+            if self._input_done and not self.running and not self._has_content(self._frame):
                 return
 
     @contextlib.asynccontextmanager
@@ -124,7 +132,8 @@ class FramedSession(ABC, Generic[FrameT]):
             await self.close()
 
     async def close(self) -> None:
-        """Cancel every running request and wait for them (and for those already cancelled)."""
+        """Cancel every running request and wait for them (and for those already cancelled).
+        A tier with task-less requests stops those in its own ``close`` first."""
         tasks = [*self._tasks.values(), *self._cancelling]
         for task in tasks:
             task.cancel()
@@ -135,7 +144,7 @@ class FramedSession(ABC, Generic[FrameT]):
     def _taken(self, handle: int) -> bool:
         """Whether ``handle`` still runs a request; if so, the new submission under it
         fails (that error goes to the handle, in the next frame)."""
-        if handle in self._tasks:
+        if handle in self._tasks or handle in self._taskless:
             self._refuse(handle, InvalidArgument("submit.handle", f"handle {handle} is already running"))
             return True
         return False
@@ -149,6 +158,24 @@ class FramedSession(ABC, Generic[FrameT]):
         self._tasks[handle] = task
         start = time.perf_counter()
         task.add_done_callback(lambda done: self._release(handle, done, start))
+
+    def _open(self, handle: int, request_id: str) -> None:
+        """Take ``handle`` for a request that runs without a task of its own: the tier
+        fills the frame from its callbacks and calls :meth:`_ended` when it ends."""
+        self._request_ids[handle] = request_id
+        self._taskless[handle] = time.perf_counter()
+
+    def _ended(self, handle: int, code: str) -> None:
+        """The task-less request under ``handle`` ended with status ``code`` (its final or
+        error is in the frame, or the session is closing): counted, and the handle free."""
+        start = self._taskless.pop(handle, None)
+        if start is None:
+            return
+        self._request_ids.pop(handle, None)
+        if self.request_metric is not None:
+            record_request(*self.request_metric, code, time.perf_counter() - start)
+        if self._input_done:
+            self._schedule()
 
     def _cancel(self, handle: int) -> None:
         """Cancel the request under ``handle`` and free the handle at once: nothing more

@@ -218,7 +218,7 @@ class EngineRun:
             core._engine_died("engine is dead")
             self._end(Unavailable("the engine of this worker is dead"))
             return
-        if rid in core._in_flight:
+        if not self.aborted and rid in core._in_flight:
             try:
                 await core._wait_for_aborted(rid)
             except InvalidArgument as exc:
@@ -354,6 +354,10 @@ class WorkerCore:
 
     def in_flight_ids(self) -> list[str]:
         return list(self._in_flight)
+
+    def id_in_flight(self, request_id: str) -> bool:
+        """Whether a request (running, or aborted and on its way out) holds ``request_id``."""
+        return request_id in self._in_flight
 
     def adapter_for(self, model: str, field_name: str = "request.model") -> str:
         """The LoRA adapter a request's ``model`` selects ("" for the base model)."""

@@ -85,7 +85,7 @@ class FakeModel:
 
 def next_token(sequence: list[int] | tuple[int, ...], model: FakeModel) -> int:
     """The fake's next token: a pure function of the sequence's last CONTEXT tokens."""
-    tail = ",".join(str(t) for t in sequence[-CONTEXT:]).encode()
+    tail = ",".join(map(str, sequence[-CONTEXT:])).encode()
     value = int.from_bytes(hashlib.blake2b(tail, digest_size=8).digest(), "big")
     token = value % model.vocab_size
     while token in model.special_ids:

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from llmesh.worker.v1 import worker_pb2
-from services.worker.fake_engine import FakeModel, fake_greedy
+from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.worker import session as session_module
+from services.worker.core import Final, WorkerCore, WorkerIdentity
+from services.worker.engine import EngineRequest, FinishReason, OutputSink, RequestRejected, Sampling
+from services.worker.fake_engine import FakeEngine, FakeModel, fake_greedy
+from services.worker.metrics import REJECTED
+from services.worker.session import Frame, Submission, WorkerSession
 
 from .conftest import RunningWorker, start_running_worker, token_request
 
@@ -150,3 +163,157 @@ async def test_an_id_aborted_and_sent_again_at_once_waits_instead_of_being_refus
     assert 2 not in errors, errors.get(2)
     assert seen[2] == fake_greedy([7, 8], 4, model), (finals.get(2), dict(seen))
     assert finals[2].completion_tokens == 4
+
+
+# -- in process: the session fed by the engine's step callbacks --------------------------
+
+class Collected:
+    """What a session's frames carried, per handle, gathered by a task of its own."""
+
+    def __init__(self, session: WorkerSession) -> None:
+        self.session = session
+        self.frames: list[Frame] = []
+        self.changed = asyncio.Event()
+        self.task = asyncio.ensure_future(self._collect())
+
+    async def _collect(self) -> None:
+        async for frame in self.session.frames():
+            self.frames.append(frame)
+            self.changed.set()
+
+    def tokens(self, handle: int) -> list[int]:
+        return [t for f in self.frames for h, ids, _ in f.tokens if h == handle for t in ids]
+
+    def finals(self) -> dict[int, Final]:
+        return {h: final for f in self.frames for h, final in f.finals}
+
+    def errors(self) -> dict[int, Exception]:
+        return {h: error for f in self.frames for h, error in f.errors}
+
+    async def until(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def in_process(tiny_deepseek_dir: Path, **engine: Any) -> tuple[FakeEngine, WorkerCore]:
+    fake = FakeEngine(tiny_deepseek_dir, **{"token_delay_ms": 2, "max_running": 64, **engine})
+    return fake, WorkerCore(fake, WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1))
+
+
+def submission(handle: int, prompt: list[int], timeout_s: float | None = None, **sampling: Any) -> Submission:
+    return Submission(handle, EngineRequest(f"p-{handle}", tuple(prompt), Sampling(**sampling)), timeout_s)
+
+
+async def test_each_frame_is_one_engine_step_with_every_running_requests_token(
+    tiny_deepseek_dir: Path, model: FakeModel
+) -> None:
+    """The engine's step callback feeds the frame directly: a frame carries the same number
+    of new tokens (one per step it covers) for every one of the 16 running requests."""
+    fake, core = in_process(tiny_deepseek_dir)
+    session = WorkerSession(core)
+    collected = Collected(session)
+    for h in range(1, 17):
+        session.submit(submission(h, [5, h, h + 1], max_tokens=12))
+    session.input_done()
+    await asyncio.wait_for(collected.task, 10)
+    for h in range(1, 17):
+        assert collected.tokens(h) == fake_greedy([5, h, h + 1], 12, model)
+    token_frames = [f for f in collected.frames if f.tokens]
+    for frame in token_frames:
+        counts = {h: len(ids) for h, ids, _ in frame.tokens}
+        assert sorted(counts) == list(range(1, 17)), counts
+        assert len(set(counts.values())) == 1, counts
+    assert len(token_frames) <= fake.steps == 12
+
+
+async def test_no_task_per_running_request(tiny_deepseek_dir: Path) -> None:
+    """50 requests running in a session add no task each: the engine's step callback
+    reaches them, not 50 tasks and generators."""
+    _, core = in_process(tiny_deepseek_dir)
+    session = WorkerSession(core)
+    collected = Collected(session)
+    baseline = len(asyncio.all_tasks())
+    for h in range(1, 51):
+        session.submit(submission(h, [7, h], ignore_eos=True))
+    await collected.until(lambda: all(collected.tokens(h) for h in range(1, 51)))
+    assert session.running == 50 and len(core.in_flight_ids()) == 50
+    assert len(asyncio.all_tasks()) <= baseline + 1, asyncio.all_tasks()
+    await session.close()
+    assert core.in_flight_ids() == [] and core.engine.load().running == 0
+    collected.task.cancel()
+
+
+async def test_deadline_abort_death_and_rejection_per_request(tiny_deepseek_dir: Path) -> None:
+    """Over the step path each request still ends on its own: a passed deadline (aborted in
+    the engine, DEADLINE_EXCEEDED), an abort by handle (ABORT final), an abort in the
+    message that submitted it (ABORT final; it never reaches the engine), the engine
+    refusing one request (its INVALID_ARGUMENT only), then the engine's death (UNAVAILABLE
+    for every request still running)."""
+    fake, core = in_process(tiny_deepseek_dir)
+    real_start = fake.start
+    reached_engine: list[str] = []
+
+    async def start(request: EngineRequest, sink: OutputSink) -> None:
+        reached_engine.append(request.request_id)
+        if request.request_id == "p-5":  # refused from the step loop, as a native engine does
+            asyncio.get_running_loop().call_soon(sink, RequestRejected("request.sampling.seed", "refused"))
+            return
+        await real_start(request, sink)
+
+    fake.start = start  # type: ignore[method-assign]
+    rejected_before = REJECTED._value.get()
+    session = WorkerSession(core)
+    collected = Collected(session)
+    session.submit(submission(1, [5, 6], timeout_s=0.05, ignore_eos=True))
+    session.submit(submission(2, [5, 7], ignore_eos=True))
+    session.submit(submission(3, [5, 8], ignore_eos=True))
+    session.submit(submission(4, [5, 9], ignore_eos=True))
+    session.abort(4)  # in the message that submitted it
+    session.submit(submission(5, [5, 10], ignore_eos=True))
+    await collected.until(lambda: len(collected.tokens(2)) >= 3)
+    session.abort(2)
+    await collected.until(lambda: {1, 5} <= collected.errors().keys() and {2, 4} <= collected.finals().keys())
+    errors, finals = collected.errors(), collected.finals()
+    assert isinstance(errors[1], DeadlineExceeded)
+    assert finals[2].finish_reason is FinishReason.ABORT and finals[2].completion_tokens >= 3
+    assert finals[4].finish_reason is FinishReason.ABORT and finals[4].completion_tokens == 0
+    assert "p-4" not in reached_engine
+    assert isinstance(errors[5], InvalidArgument) and errors[5].field == "request.sampling.seed"
+    assert REJECTED._value.get() == rejected_before + 1
+    assert sorted(core.in_flight_ids()) == ["p-3"] and fake.load().running == 1
+    fake.kill()
+    await collected.until(lambda: 3 in collected.errors())
+    assert isinstance(collected.errors()[3], Unavailable)
+    assert core.health.engine_dead and core.in_flight_ids() == []
+    session.input_done()
+    await asyncio.wait_for(collected.task, 5)
+    assert session.running == 0
+
+
+async def test_each_request_has_a_span_under_its_traceparent(
+    tiny_deepseek_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(session_module, "tracer", lambda: provider.get_tracer("test"))
+    _, core = in_process(tiny_deepseek_dir)
+    session = WorkerSession(core)
+    collected = Collected(session)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    traced = submission(1, [5, 6], max_tokens=3)
+    session.submit(Submission(1, traced.request, trace_context={"traceparent": parent}))
+    session.submit(submission(2, [5, 7], timeout_s=0.02, ignore_eos=True))
+    session.input_done()
+    await asyncio.wait_for(collected.task, 10)
+    spans = {s.attributes["llmesh.request_id"]: s for s in exporter.get_finished_spans()}  # type: ignore[index]
+    assert spans.keys() == {"p-1", "p-2"}
+    span = spans["p-1"]
+    assert span.kind is trace.SpanKind.SERVER and span.name == "llmesh.worker/Session.generate"
+    assert f"{span.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == "b7ad6b7169203331"
+    assert span.attributes["llmesh.worker.finish_reason"] == "length"  # type: ignore[index]
+    assert span.attributes["llmesh.worker.completion_tokens"] == 3  # type: ignore[index]
+    assert spans["p-2"].status.status_code is StatusCode.ERROR
