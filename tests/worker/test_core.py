@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from pathlib import Path
 
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound
-from services.worker.core import Failed, Final, WorkerCore, WorkerIdentity, request_violations
+from services.worker.core import Delta, Failed, Final, WorkerCore, WorkerIdentity, request_violations
 from services.worker.engine import EngineInfo, EngineRequest, OutputSink, RequestRejected, Sampling
 from services.worker.fake_engine import FakeEngine
 from services.worker.server import engine_args, resolve_device, worker_identity
@@ -118,3 +120,26 @@ async def test_an_engine_rejection_fails_only_that_request_of_a_batch(tiny_deeps
     assert failed[0][1].error.field == "request.sampling.seed"
     assert any(rid == "fine" and isinstance(e, Final) for rid, e in events)
     assert core.health.serving is False and not core.health.engine_dead  # not warmed up, not dead
+
+
+async def test_a_batch_runs_without_a_task_per_request(tiny_deepseek_dir: Path) -> None:
+    """GenerateBatch's requests feed one shared queue from the engine's step callbacks:
+    50 requests add no task (there used to be a pump task per request)."""
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=2, max_running=64)
+    core = WorkerCore(engine, WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1))
+    baseline = len(asyncio.all_tasks())
+    most = 0
+    tokens: dict[str, int] = {}
+    finals: dict[str, Final] = {}
+    requests = [EngineRequest(f"b{i}", (5, i), Sampling(max_tokens=5)) for i in range(50)]
+    async with contextlib.aclosing(core.generate_batch(requests)) as events:
+        async for request_id, event in events:
+            most = max(most, len(asyncio.all_tasks()))
+            if isinstance(event, Delta):
+                tokens[request_id] = tokens.get(request_id, 0) + len(event.token_ids)
+            elif isinstance(event, Final):
+                finals[request_id] = event
+    assert most <= baseline
+    assert tokens == {f"b{i}": 5 for i in range(50)}
+    assert all(f.completion_tokens == 5 for f in finals.values()) and len(finals) == 50
+    assert core.in_flight_ids() == []

@@ -20,7 +20,14 @@ from llmesh.worker.v1 import worker_pb2
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.worker import session as session_module
 from services.worker.core import Final, WorkerCore, WorkerIdentity
-from services.worker.engine import EngineRequest, FinishReason, OutputSink, RequestRejected, Sampling
+from services.worker.engine import (
+    EngineRequest,
+    FinishReason,
+    OutputSink,
+    RequestRejected,
+    Sampling,
+    start_from_generator,
+)
 from services.worker.fake_engine import FakeEngine, FakeModel, fake_greedy
 from services.worker.metrics import REJECTED
 from services.worker.session import Frame, Submission, WorkerSession
@@ -197,9 +204,29 @@ class Collected:
                 await self.changed.wait()
 
 
-def in_process(tiny_deepseek_dir: Path, **engine: Any) -> tuple[FakeEngine, WorkerCore]:
+class Bridged:
+    """The fake behind the per-request generator bridge (``start_from_generator``, a task
+    per request), as the vLLM adapter starts requests until it has a native step loop."""
+
+    def __init__(self, fake: FakeEngine) -> None:
+        self.fake = fake
+        self.drains: set[asyncio.Task[None]] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fake, name)
+
+    async def start(self, request: EngineRequest, sink: OutputSink) -> None:
+        task = start_from_generator(self.fake.generate(request), sink)
+        self.drains.add(task)
+        task.add_done_callback(self.drains.discard)
+
+
+def in_process(
+    tiny_deepseek_dir: Path, bridged: bool = False, **engine: Any
+) -> tuple[FakeEngine, WorkerCore]:
     fake = FakeEngine(tiny_deepseek_dir, **{"token_delay_ms": 2, "max_running": 64, **engine})
-    return fake, WorkerCore(fake, WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1))
+    identity = WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1)
+    return fake, WorkerCore(Bridged(fake) if bridged else fake, identity)  # type: ignore[arg-type]
 
 
 def submission(handle: int, prompt: list[int], timeout_s: float | None = None, **sampling: Any) -> Submission:
@@ -245,13 +272,15 @@ async def test_no_task_per_running_request(tiny_deepseek_dir: Path) -> None:
     collected.task.cancel()
 
 
-async def test_deadline_abort_death_and_rejection_per_request(tiny_deepseek_dir: Path) -> None:
-    """Over the step path each request still ends on its own: a passed deadline (aborted in
+@pytest.mark.parametrize("bridged", [False, True], ids=["step-loop", "generator-bridge"])
+async def test_deadline_abort_death_and_rejection_per_request(tiny_deepseek_dir: Path, bridged: bool) -> None:
+    """Over the sink path each request still ends on its own: a passed deadline (aborted in
     the engine, DEADLINE_EXCEEDED), an abort by handle (ABORT final), an abort in the
     message that submitted it (ABORT final; it never reaches the engine), the engine
     refusing one request (its INVALID_ARGUMENT only), then the engine's death (UNAVAILABLE
-    for every request still running)."""
-    fake, core = in_process(tiny_deepseek_dir)
+    for every request still running). The same with an engine that bridges its
+    per-request generators into the sinks, as the vLLM adapter does today."""
+    fake, core = in_process(tiny_deepseek_dir, bridged)
     real_start = fake.start
     reached_engine: list[str] = []
 
