@@ -235,14 +235,11 @@ class EngineRun:
         self._starting = True
         try:
             await core.engine.start(self.request, self._on_output)
-        except (EngineDeadError, RequestRejected) as exc:
-            self._on_output(exc)
         except asyncio.CancelledError:
             self.detach()
             await self._leave_engine()
             raise
-        except Exception as exc:
-            log.exception("request %s failed in the engine", rid)
+        except Exception as exc:  # EngineDeadError, RequestRejected, or a failure: as if sunk
             self._on_output(exc)
         finally:
             self._starting = False
@@ -469,9 +466,14 @@ class WorkerCore:
             return consume
 
         runs = [EngineRun(self, req, consumer_for(req.request_id)) for req in runnable]
+        waiting: list[asyncio.Task[None]] = []
         try:
             for run in runs:
-                await run.start()
+                if self.id_in_flight(run.request_id):
+                    # An aborted request still holds its id: wait for it aside, the others go on.
+                    waiting.append(asyncio.ensure_future(run.start()))
+                else:
+                    await run.start()
             remaining = len(runs)
             while remaining:
                 item = await queue.get()
@@ -481,9 +483,11 @@ class WorkerCore:
                     remaining -= 1
                 yield item
         finally:
+            for task in waiting:
+                task.cancel()
             unfinished = [run for run in runs if not run.done]
-            if unfinished:
-                await asyncio.gather(*(run.cancel() for run in unfinished))
+            if waiting or unfinished:
+                await asyncio.gather(*waiting, *(run.cancel() for run in unfinished), return_exceptions=True)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request in flight; its stream ends with finish reason ABORT."""
