@@ -196,9 +196,11 @@ async def stream_from_start(engine: Engine, request: EngineRequest) -> AsyncGene
             if isinstance(out, Exception):
                 finished = True
                 raise out
+            # Known before the yield: a caller may close the stream at the last output, and
+            # the id may by then belong to a newer request that an abort would hit.
+            finished = out.finish_reason is not None
             yield out
-            if out.finish_reason is not None:
-                finished = True
+            if finished:
                 return
     finally:
         if not finished:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.engine import EngineRequest, OutputSink, start_from_generator
 from services.worker.fake_engine import FakeEngine
 from services.worker.server import WorkerServer, start_worker
 from services.worker.servicer import SERVICE_NAME
@@ -45,6 +47,23 @@ class RunningWorker:
     async def close(self) -> int:
         await self.channel.close()
         return await self.server.stop()
+
+
+class Bridged:
+    """The fake behind the per-request generator bridge (``start_from_generator``, a task
+    per request), as the vLLM adapter starts requests until it has a native step loop."""
+
+    def __init__(self, fake: FakeEngine) -> None:
+        self.fake = fake
+        self.drains: set[asyncio.Task[None]] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fake, name)
+
+    async def start(self, request: EngineRequest, sink: OutputSink) -> None:
+        task = start_from_generator(self.fake.generate(request), sink)
+        self.drains.add(task)
+        task.add_done_callback(self.drains.discard)
 
 
 def token_request(request_id: str, prompt: list[int], **sampling: object) -> common_pb2.TokenRequest:

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.worker.core import Delta, Failed, Final, WorkerCore, WorkerIdentity, request_violations
 from services.worker.engine import EngineInfo, EngineRequest, OutputSink, RequestRejected, Sampling
 from services.worker.fake_engine import FakeEngine
 from services.worker.server import engine_args, resolve_device, worker_identity
 from services.worker.settings import WorkerSettings
+
+from .conftest import Bridged
 
 INFO = EngineInfo(max_model_len=100, vocab_size=1000, max_num_seqs=4)
 
@@ -143,3 +145,30 @@ async def test_a_batch_runs_without_a_task_per_request(tiny_deepseek_dir: Path) 
     assert tokens == {f"b{i}": 5 for i in range(50)}
     assert all(f.completion_tokens == 5 for f in finals.values()) and len(finals) == 50
     assert core.in_flight_ids() == []
+
+
+@pytest.mark.parametrize("bridged", [False, True], ids=["step-loop", "generator-bridge"])
+async def test_a_generate_consumer_that_leaves_aborts_in_the_engine_and_frees_its_id(
+    tiny_deepseek_dir: Path, bridged: bool
+) -> None:
+    """Closing Generate's stream mid-way aborts the request in the engine and frees its id
+    (a new request under it then runs); an engine death ends a running Generate with
+    UNAVAILABLE. The same over the generator bridge the vLLM adapter uses today."""
+    fake = FakeEngine(tiny_deepseek_dir, token_delay_ms=1, max_running=8)
+    core = WorkerCore(Bridged(fake) if bridged else fake,  # type: ignore[arg-type]
+                      WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1))
+    request = EngineRequest("leaver", (5, 6), Sampling(ignore_eos=True))
+    async with contextlib.aclosing(core.generate(request)) as events:
+        async for event in events:
+            assert isinstance(event, Delta)
+            break
+    assert core.in_flight_ids() == [] and fake.load().running == 0
+    again = [e async for e in core.generate(EngineRequest("leaver", (5, 6), Sampling(max_tokens=3)))]
+    assert isinstance(again[-1], Final) and again[-1].completion_tokens == 3
+    doomed = core.generate(EngineRequest("doomed", (5, 7), Sampling(ignore_eos=True)))
+    assert isinstance(await anext(doomed), Delta)
+    fake.kill()
+    with pytest.raises(Unavailable):
+        while True:
+            await anext(doomed)
+    assert core.health.engine_dead and core.in_flight_ids() == []

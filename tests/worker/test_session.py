@@ -26,13 +26,12 @@ from services.worker.engine import (
     OutputSink,
     RequestRejected,
     Sampling,
-    start_from_generator,
 )
 from services.worker.fake_engine import FakeEngine, FakeModel, fake_greedy
 from services.worker.metrics import REJECTED
 from services.worker.session import Frame, Submission, WorkerSession
 
-from .conftest import RunningWorker, start_running_worker, token_request
+from .conftest import Bridged, RunningWorker, start_running_worker, token_request
 
 
 @pytest.fixture(scope="module")
@@ -202,23 +201,6 @@ class Collected:
             while not condition():
                 self.changed.clear()
                 await self.changed.wait()
-
-
-class Bridged:
-    """The fake behind the per-request generator bridge (``start_from_generator``, a task
-    per request), as the vLLM adapter starts requests until it has a native step loop."""
-
-    def __init__(self, fake: FakeEngine) -> None:
-        self.fake = fake
-        self.drains: set[asyncio.Task[None]] = set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.fake, name)
-
-    async def start(self, request: EngineRequest, sink: OutputSink) -> None:
-        task = start_from_generator(self.fake.generate(request), sink)
-        self.drains.add(task)
-        task.add_done_callback(self.drains.discard)
 
 
 def in_process(
