@@ -97,3 +97,29 @@ async def test_cancelling_an_unknown_or_ended_handle_is_ignored(abort_twice: boo
     if abort_twice:
         session._cancel(3)
     assert session.running == 0
+
+
+async def test_taskless_requests_hold_their_handle_until_ended_and_are_counted() -> None:
+    """A request fed by callbacks (no task): its handle is taken from _open to _ended,
+    the frames go on until it ended, and it is counted with the code it ended with."""
+    session = Session()
+    ok_before, deadline_before = count("OK"), count("DEADLINE_EXCEEDED")
+    session._open(5, "callbacks")
+    session.submit(5, "again")  # refused: the task-less request holds the handle
+    assert session.running == 1
+    session.input_done()
+    frames = asyncio.ensure_future(collect(session))
+    await asyncio.sleep(0)
+    session._frame.append((5, "token"))
+    session._schedule()
+    session._open(6, "late")
+    session._ended(6, "DEADLINE_EXCEEDED")
+    session._ended(6, "OK")  # once only
+    assert not frames.done()
+    session._frame.append((5, "final"))
+    session._ended(5, "OK")
+    events = await asyncio.wait_for(frames, 5)
+    assert [e for h, e in events if h == 5][1:] == ["token", "final"]
+    assert "handle 5 is already running" in str(events[0][1])
+    assert session.running == 0
+    assert count("OK") == ok_before + 1 and count("DEADLINE_EXCEEDED") == deadline_before + 1
