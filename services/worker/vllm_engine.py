@@ -4,6 +4,12 @@ Imported only when ``--engine vllm`` runs (vLLM is heavy and absent from CPU-onl
 Token ids in, token-id deltas out: ``detokenize=False`` and ``RequestOutputKind.DELTA``.
 Load comes from a stat logger that keeps the scheduler's latest ``SchedulerStats`` (no
 engine round trip, so polling every 100 ms costs nothing).
+
+:meth:`VllmEngine.start` delivers outputs per engine step from vLLM's own output handler,
+through a sink object put in place of the request's ``RequestOutputCollector``; the vLLM
+internals that relies on are listed (and checked at start) in :func:`check_vllm_internals`
+and pinned by ``tests/worker/test_vllm_steps.py``; services/worker/README.md says why this
+design and not a reader of the engine core's outputs.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from services.worker.engine import (
 )
 
 from vllm import SamplingParams  # isort: skip
+from vllm import envs as vllm_envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
@@ -148,6 +155,11 @@ class VllmEngine:
         """Start AsyncLLM (spawns the engine-core process; blocks ~20-40 s on CPU)."""
         stats = SchedulerStatsHolder()
         llm = AsyncLLM.from_engine_args(async_engine_args(engine_args), stat_loggers=[stats.factory])
+        # vLLM's frontend reads an environment variable for every output token (its iteration
+        # stats check VLLM_COMPUTE_NANS_IN_LOGITS: two os.getenv calls) unless vLLM's env
+        # cache is on, which vLLM turns on in its own engine processes but not in the
+        # frontend it leaves to its caller. Nothing changes VLLM_* variables after the start.
+        vllm_envs.enable_envs_cache()
         return cls(llm, stats, priority_scheduling=engine_args.get("scheduling_policy") == "priority",
                    loras=loras or [])
 
