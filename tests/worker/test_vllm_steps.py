@@ -118,6 +118,84 @@ def test_step_sink_contract_without_an_engine() -> None:
     step_sink(EngineRequest("r", (1,)), raising).put(output([5]))
 
 
+class _FakeLLM:
+    """Just what ``VllmEngine.start`` touches of AsyncLLM, with a hook that runs while
+    add_request is "awaiting the engine core" (where the output handler may run)."""
+
+    def __init__(self, during_add: Any) -> None:
+        from types import SimpleNamespace
+
+        self.output_processor = SimpleNamespace(request_states={})
+        self.during_add = during_add
+
+    async def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        from vllm.sampling_params import RequestOutputKind
+
+        collector = vllm_output_processor.RequestOutputCollector(RequestOutputKind.DELTA, f"{request_id}-int")
+        state = SimpleNamespace(queue=collector)
+        self.output_processor.request_states[collector.request_id] = state
+        self.during_add(self.output_processor.request_states, collector)
+        return collector
+
+
+def fake_engine(during_add: Any) -> VllmEngine:
+    from services.worker.engine import EngineInfo
+
+    engine = object.__new__(VllmEngine)
+    engine.llm = _FakeLLM(during_add)  # type: ignore[assignment]
+    engine._info = EngineInfo(max_model_len=64, vocab_size=100, max_num_seqs=1)
+    engine._loras = {}
+    engine._live = {}
+    engine.priority_scheduling = False
+    return engine
+
+
+def fake_output(tokens: list[int], finish: str | None = None) -> Any:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", None, [1, 2], None, [CompletionOutput(
+        0, "", tokens, None, None, finish_reason=finish, stop_reason=None)], finished=finish is not None)
+
+
+async def test_what_came_before_the_swap_is_handed_over_first() -> None:
+    """An output, an abort's final or the handler's error put into vLLM's collector while
+    add_request was still awaiting reaches the sink first, then the later steps."""
+    def first_step(states: dict[str, Any], collector: Any) -> None:
+        collector.put(fake_output([5]))
+
+    got: list[EngineOutput | Exception] = []
+    engine = fake_engine(first_step)
+    await engine.start(EngineRequest("r", (1, 2), Sampling(max_tokens=3)), got.append)
+    (state,) = engine.llm.output_processor.request_states.values()
+    state.queue.put(fake_output([6, 7], "length"))  # type: ignore[union-attr]  # it is the step sink now
+    assert [o.token_ids for o in got if isinstance(o, EngineOutput)] == [[5], [6, 7]] and not engine._live
+
+    def aborted(states: dict[str, Any], collector: Any) -> None:
+        states.pop(collector.request_id)  # abort_requests drops the state and puts a final
+        collector.put(fake_output([], "abort"))
+
+    got.clear()
+    await fake_engine(aborted).start(EngineRequest("r", (1, 2)), got.append)
+    assert len(got) == 1 and isinstance(got[0], EngineOutput) and got[0].finish_reason is FinishReason.ABORT
+
+    def died(states: dict[str, Any], collector: Any) -> None:
+        collector.put(vllm_engine.VllmEngineDeadError())
+
+    got.clear()
+    engine = fake_engine(died)
+    await engine.start(EngineRequest("r", (1, 2)), got.append)
+    assert len(got) == 1 and isinstance(got[0], EngineDeadError) and not engine._live
+
+    def vanished(states: dict[str, Any], collector: Any) -> None:
+        states.pop(collector.request_id)  # not vLLM's contract: gone without a final
+
+    got.clear()
+    await fake_engine(vanished).start(EngineRequest("r", (1, 2)), got.append)
+    assert len(got) == 1 and isinstance(got[0], EngineOutput) and got[0].finish_reason is FinishReason.ERROR
+
+
 # -- one real engine for the module ------------------------------------------------------
 
 @dataclass
@@ -371,6 +449,48 @@ async def test_refused_values_name_the_field(counted: Counted, sampling: dict[st
     assert err.value.field == field_path, err.value
     assert not recorder.items
     await wait_engine_idle(counted.engine)
+
+
+async def test_a_cancelled_start_leaves_nothing_running(counted: Counted) -> None:
+    """Cancelled before add_request registered the request, and at once after it did
+    (while it sends the request to the engine core): either start raised CancelledError
+    and nothing stays in the engine, or it had returned and the request runs (aborted here)."""
+    engine = counted.engine
+    processor = engine.llm.output_processor
+    add_request = processor.add_request
+    cancel_on_register: list[asyncio.Task[None]] = []
+
+    def spy(request: Any, *args: Any, **kwargs: Any) -> None:
+        add_request(request, *args, **kwargs)
+        for task in cancel_on_register:
+            asyncio.get_running_loop().call_soon(task.cancel)
+
+    processor.add_request = spy  # type: ignore[method-assign]
+    outcomes: list[str] = []
+    try:
+        for when in ("before", "after registering"):
+            recorder = Recorder(counted.calls)
+            request = greedy(f"cancel-{len(outcomes)}", PROMPTS[0], 1500, ignore_eos=True)
+            task = asyncio.create_task(engine.start(request, recorder))
+            if when == "before":
+                task.cancel()
+            else:
+                cancel_on_register[:] = [task]
+            try:
+                await task
+            except asyncio.CancelledError:
+                assert not recorder.items
+                outcomes.append(f"cancelled {when}")
+            else:
+                outcomes.append(f"started ({when})")
+                await engine.abort(request.request_id)
+                last = await recorder.wait()
+                assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.ABORT
+            await wait_engine_idle(engine)
+    finally:
+        del processor.add_request
+    assert outcomes[0] == "cancelled before", outcomes
+    print("cancellation outcomes:", outcomes)
 
 
 async def test_engine_death_reaches_every_running_sink(counted: Counted, tiny_deepseek_dir: Path) -> None:
