@@ -5,8 +5,10 @@ so it depends on vLLM internals that are not public API; the first tests pin the
 fail naming what changed when vLLM is upgraded). The rest run one in-process engine
 (tiny DeepSeek-V2, random weights) shared by the module, and compare ``start`` with the
 generator path (``generate``, which AsyncLLM.generate feeds through its collector).
-The engine-death test runs last: it kills the engine core.
-Run under the shared lock: ``flock /tmp/llmesh-engine.lock pytest tests/worker/test_vllm_steps.py``.
+The engine-death test runs last: it kills the engine core. The tests marked ``engine``
+start engines (run them under the shared lock:
+``flock /tmp/llmesh-engine.lock pytest tests/worker/test_vllm_steps.py``); the others need
+vLLM installed but no engine (``-m "not engine"``).
 """
 
 from __future__ import annotations
@@ -298,6 +300,7 @@ async def wait_engine_idle(engine: VllmEngine) -> None:
 
 # -- behaviour through the real engine ---------------------------------------------------
 
+@pytest.mark.engine
 async def test_internals_are_where_the_adapter_expects_them(counted: Counted) -> None:
     engine = counted.engine
     check_vllm_internals(engine.llm)  # what VllmEngine.__init__ checked
@@ -316,6 +319,7 @@ async def test_internals_are_where_the_adapter_expects_them(counted: Counted) ->
     await wait_engine_idle(engine)
 
 
+@pytest.mark.engine
 async def test_every_request_of_a_step_reaches_its_sink_in_one_handler_call(counted: Counted) -> None:
     max_tokens = 12
     requests = [greedy(f"step-{i}", p, max_tokens, ignore_eos=True) for i, p in enumerate(PROMPTS)]
@@ -337,6 +341,7 @@ async def test_every_request_of_a_step_reaches_its_sink_in_one_handler_call(coun
     await wait_engine_idle(counted.engine)
 
 
+@pytest.mark.engine
 async def test_greedy_start_equals_generate(counted: Counted) -> None:
     # One request at a time on both paths: the same batches in the engine. (Concurrent
     # submissions batch differently from run to run, and the random tiny model's near-tied
@@ -352,6 +357,7 @@ async def test_greedy_start_equals_generate(counted: Counted) -> None:
         assert ours.queue_ms is not None and ours.ttft_ms is not None and ours.ttft_ms > 0
 
 
+@pytest.mark.engine
 async def test_stop_token_ids(counted: Counted) -> None:
     (reference,) = await via_start(counted, [greedy("stop-ref", PROMPTS[3], 8, ignore_eos=True)])
     stop = reference.tokens[3]
@@ -365,6 +371,7 @@ async def test_stop_token_ids(counted: Counted) -> None:
     assert tokens_of(generated) == stopped.tokens and generated[-1].stop_token_id == stop
 
 
+@pytest.mark.engine
 async def test_cached_tokens(smollm2_dir: Path) -> None:
     """On SmolLM2: vLLM's CPU build turns prefix caching off for MLA models (the tiny DeepSeek)."""
     engine = VllmEngine.build({"model": str(smollm2_dir), "tokenizer": str(smollm2_dir),
@@ -384,6 +391,7 @@ async def test_cached_tokens(smollm2_dir: Path) -> None:
         await engine.shutdown()
 
 
+@pytest.mark.engine
 async def test_replay_is_not_emitted_and_the_rest_equals_an_undisturbed_run(counted: Counted) -> None:
     sampling: dict[str, Any] = {"ignore_eos": True, "logprobs": 2}
     (undisturbed,) = await via_start(counted, [greedy("replay-ref", PROMPTS[1], 24, **sampling)])
@@ -402,6 +410,7 @@ async def test_replay_is_not_emitted_and_the_rest_equals_an_undisturbed_run(coun
     assert tokens_of(generated) == resumed.tokens
 
 
+@pytest.mark.engine
 async def test_logprobs(counted: Counted) -> None:
     (native,) = await via_start(counted, [greedy("lp", PROMPTS[2], 5, logprobs=3)])
     (generated,) = await via_generate(counted.engine, [greedy("lp-g", PROMPTS[2], 5, logprobs=3)])
@@ -414,6 +423,7 @@ async def test_logprobs(counted: Counted) -> None:
         assert math.isclose(lp.logprob, other.logprob, abs_tol=1e-3)
 
 
+@pytest.mark.engine
 async def test_abort_delivers_an_abort_final_and_frees_the_request(counted: Counted) -> None:
     engine = counted.engine
     running = Recorder(counted.calls)
@@ -434,6 +444,7 @@ async def test_abort_delivers_an_abort_final_and_frees_the_request(counted: Coun
     assert engine.stats.running <= 1
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(("sampling", "prompt", "field_path"), [
     ({"temperature": float("nan")}, [5], "request.sampling.temperature"),  # SamplingParams refuses it
     ({"logprobs": 30}, [5], "request.sampling.logprobs"),  # add_request refuses the rest
@@ -451,6 +462,7 @@ async def test_refused_values_name_the_field(counted: Counted, sampling: dict[st
     await wait_engine_idle(counted.engine)
 
 
+@pytest.mark.engine
 async def test_a_cancelled_start_leaves_nothing_running(counted: Counted) -> None:
     """Cancelled before add_request registered the request, and at once after it did
     (while it sends the request to the engine core): either start raised CancelledError
@@ -493,7 +505,8 @@ async def test_a_cancelled_start_leaves_nothing_running(counted: Counted) -> Non
     print("cancellation outcomes:", outcomes)
 
 
-async def test_engine_death_reaches_every_running_sink(counted: Counted, tiny_deepseek_dir: Path) -> None:
+@pytest.mark.engine
+async def test_engine_death_reaches_every_running_sink(counted: Counted) -> None:
     """Runs last: kills the module's engine core."""
     engine = counted.engine
     recorders = [Recorder(counted.calls) for _ in range(3)]
