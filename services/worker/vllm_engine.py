@@ -4,14 +4,22 @@ Imported only when ``--engine vllm`` runs (vLLM is heavy and absent from CPU-onl
 Token ids in, token-id deltas out: ``detokenize=False`` and ``RequestOutputKind.DELTA``.
 Load comes from a stat logger that keeps the scheduler's latest ``SchedulerStats`` (no
 engine round trip, so polling every 100 ms costs nothing).
+
+:meth:`VllmEngine.start` delivers outputs per engine step from vLLM's own output handler,
+through a sink object put in place of the request's ``RequestOutputCollector``; the vLLM
+internals that relies on are listed (and checked at start) in :func:`check_vllm_internals`
+and pinned by ``tests/worker/test_vllm_steps.py``; services/worker/README.md says why this
+design and not a reader of the engine core's outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import os
+import re
 import threading
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -29,10 +37,10 @@ from services.worker.engine import (
     RequestRejected,
     Sampling,
     TokenLogprob,
-    start_from_generator,
 )
 
 from vllm import SamplingParams  # isort: skip
+from vllm import envs as vllm_envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
@@ -121,7 +129,10 @@ class VllmEngine:
         self.stats = stats
         self.priority_scheduling = priority_scheduling
         self._loras = {m.name: LoRARequest(m.name, m.int_id, m.path) for m in loras}
-        self._drains: set[asyncio.Task[None]] = set()
+        self._live: dict[str, _StepSink] = {}
+        """Requests started through :meth:`start` that have not had their final, by vLLM's
+        internal request id."""
+        check_vllm_internals(llm)
         model_config = llm.model_config
         eos: tuple[int, ...] = ()
         try:
@@ -144,6 +155,11 @@ class VllmEngine:
         """Start AsyncLLM (spawns the engine-core process; blocks ~20-40 s on CPU)."""
         stats = SchedulerStatsHolder()
         llm = AsyncLLM.from_engine_args(async_engine_args(engine_args), stat_loggers=[stats.factory])
+        # vLLM's frontend reads an environment variable for every output token (its iteration
+        # stats check VLLM_COMPUTE_NANS_IN_LOGITS: two os.getenv calls) unless vLLM's env
+        # cache is on, which vLLM turns on in its own engine processes but not in the
+        # frontend it leaves to its caller. Nothing changes VLLM_* variables after the start.
+        vllm_envs.enable_envs_cache()
         return cls(llm, stats, priority_scheduling=engine_args.get("scheduling_policy") == "priority",
                    loras=loras or [])
 
@@ -177,16 +193,56 @@ class VllmEngine:
             raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
 
     async def start(self, request: EngineRequest, sink: OutputSink) -> None:
-        # A task per request over AsyncLLM.generate (vLLM hands outputs to a queue per request).
-        task = start_from_generator(self.generate(request), sink)
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
+        """Register the request with ``AsyncLLM.add_request``, then put a :class:`_StepSink`
+        where vLLM's output handler puts this request's outputs (its ``RequestState.queue``),
+        so every request of an engine step reaches its sink inside the output handler's
+        ``process_outputs`` call: no task, queue or generator per request (see
+        :func:`check_vllm_internals` for what this relies on)."""
+        params, prompt, lora, priority = self._submission(request)
+        try:
+            collector = await self.llm.add_request(
+                request.request_id, prompt, params, lora_request=lora, priority=priority
+            )
+        except asyncio.CancelledError:
+            # It may be registered already (the await that was cancelled sends it to the
+            # engine core): free it there, under its external id, before giving up.
+            await self.llm.abort(request.request_id)
+            raise
+        except VllmEngineDeadError as exc:
+            raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
+        except (VLLMClientError, ValueError) as exc:
+            raise rejected(exc) from exc
+        internal_id = collector.request_id
+        step_sink = _StepSink(_OutputConverter(request), sink, self._live, internal_id)
+        state = self.llm.output_processor.request_states.get(internal_id)
+        if state is not None:
+            state.queue = step_sink  # type: ignore[assignment]  # duck-typed: only put() is called
+            self._live[internal_id] = step_sink
+        # What the output handler put before the swap (a first step, the final of an abort,
+        # the engine's death) waits in vLLM's collector: hand it over first.
+        try:
+            early = collector.get_nowait()
+        except Exception as exc:  # vLLM stores the output handler's failure there
+            step_sink.put(exc)
+        else:
+            if early is not None:
+                step_sink.put(early)
+        if state is None and not step_sink.done:
+            # Gone from vLLM's table without a final in its collector: not vLLM's contract,
+            # but a request must never be left without one.
+            log.error("request %s left vLLM without a final output", internal_id)
+            step_sink.end(EngineOutput([], finish_reason=FinishReason.ERROR,
+                                       prompt_tokens=len(request.prompt_token_ids)))
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
+        # vLLM cancels its output handler without telling the requests still running (its
+        # generate() callers wait forever): end every sink that has not had its final.
+        for step_sink in list(self._live.values()):
+            step_sink.end(EngineDeadError("the vLLM engine was shut down"))
 
     def sampling_params(self, request: EngineRequest) -> SamplingParams:
         """The domain sampling as vLLM's: every set field under its own name (llmesh uses
@@ -216,7 +272,11 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+    def _submission(
+        self, request: EngineRequest
+    ) -> tuple[SamplingParams, TokensPrompt, LoRARequest | None, int]:
+        """What ``AsyncLLM`` takes for one request; a refused sampling value is
+        :class:`RequestRejected`."""
         try:
             params = self.sampling_params(request)
         except (VLLMClientError, ValueError) as exc:
@@ -225,22 +285,18 @@ class VllmEngine:
         lora = self._loras.get(request.adapter) if request.adapter else None
         # llmesh serves higher priority first (llmesh.v1); vLLM schedules lower values first.
         priority = -request.priority if self.priority_scheduling else 0
-        to_skip = len(request.replay_token_ids)
+        return params, prompt, lora, priority
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        params, prompt, lora, priority = self._submission(request)
+        converter = _OutputConverter(request)
         try:
             async for out in self.llm.generate(
                 prompt, params, request.request_id, lora_request=lora, priority=priority
             ):
-                converted = _convert_output(out, request.sampling.logprobs, len(request.prompt_token_ids))
-                if to_skip:
-                    # Forced replay steps were delivered by an earlier attempt: drop them.
-                    skip = min(to_skip, len(converted.token_ids))
-                    to_skip -= skip
-                    converted.token_ids = converted.token_ids[skip:]
-                    if converted.logprobs is not None:
-                        converted.logprobs = converted.logprobs[skip:]
-                    if not converted.token_ids and converted.finish_reason is None:
-                        continue
-                yield converted
+                converted = converter.convert(out)
+                if converted is not None:
+                    yield converted
         except VllmEngineDeadError as exc:
             raise EngineDeadError(str(exc) or "vLLM engine is dead") from exc
         except (VLLMClientError, ValueError) as exc:
@@ -249,21 +305,142 @@ class VllmEngine:
             raise rejected(exc) from exc
 
 
+class _OutputConverter:
+    """One request's vLLM ``RequestOutput`` deltas as :class:`EngineOutput`: the forced
+    replay steps at the start are dropped (an earlier attempt delivered them)."""
+
+    __slots__ = ("n_logprobs", "prompt_len", "to_skip")
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.n_logprobs = request.sampling.logprobs
+        self.prompt_len = len(request.prompt_token_ids)
+        self.to_skip = len(request.replay_token_ids)
+
+    def convert(self, out: Any) -> EngineOutput | None:
+        """The delta to emit, or None when nothing is left of it (all replayed tokens)."""
+        converted = _convert_output(out, self.n_logprobs, self.prompt_len)
+        if self.to_skip:
+            skip = min(self.to_skip, len(converted.token_ids))
+            self.to_skip -= skip
+            converted.token_ids = converted.token_ids[skip:]
+            if converted.logprobs is not None:
+                converted.logprobs = converted.logprobs[skip:]
+            if not converted.token_ids and converted.finish_reason is None:
+                return None
+        return converted
+
+
+class _StepSink:
+    """Takes the place of vLLM's ``RequestOutputCollector`` as one request's
+    ``RequestState.queue``: vLLM's output handler calls :meth:`put` with the request's
+    ``RequestOutput`` of each engine step (all requests of a step in one
+    ``process_outputs`` call, so in one event-loop callback), with the ABORT final from
+    ``abort_requests``, or with the exception ``propagate_error`` hands every request when
+    the handler fails. Converted at once and passed to the worker's sink; after a final or
+    an exception nothing more is passed on."""
+
+    __slots__ = ("converter", "done", "internal_id", "live", "sink")
+
+    def __init__(self, converter: _OutputConverter, sink: OutputSink, live: dict[str, _StepSink],
+                 internal_id: str) -> None:
+        self.converter = converter
+        self.sink = sink
+        self.live = live
+        self.internal_id = internal_id
+        self.done = False
+
+    def put(self, output: Any) -> None:
+        """vLLM's collector contract: never blocks; called from the output handler."""
+        if self.done:
+            return
+        if isinstance(output, BaseException):
+            self.end(_step_error(output))
+            return
+        converted = self.converter.convert(output)
+        if converted is None:
+            return
+        if converted.finish_reason is not None:
+            self.end(converted)
+            return
+        self._deliver(converted)
+
+    def end(self, last: EngineOutput | Exception) -> None:
+        """Pass on the request's last item (a final or an exception)."""
+        self.done = True
+        self.live.pop(self.internal_id, None)
+        self._deliver(last)
+
+    def _deliver(self, item: EngineOutput | Exception) -> None:
+        try:
+            self.sink(item)
+        except Exception:
+            # Raising here would end vLLM's output handler, i.e. the engine, for everyone.
+            log.exception("output sink of %s raised", self.internal_id)
+
+
+def _step_error(exc: BaseException) -> Exception:
+    """What a sink gets for an exception vLLM put in a request's queue. The output handler
+    puts its own failure there (``propagate_error``) and then stops, so anything but a
+    refusal of the request's values means the engine is dead."""
+    if isinstance(exc, VLLMClientError):
+        return rejected(exc)
+    if isinstance(exc, VllmEngineDeadError):
+        return EngineDeadError(str(exc) or "vLLM engine is dead")
+    return EngineDeadError(f"vLLM's output handler failed: {exc!r}")
+
+
+def check_vllm_internals(llm: Any) -> None:
+    """Fail at engine start, naming what changed, if vLLM no longer has the internals
+    :meth:`VllmEngine.start` relies on (vLLM 0.32; none of them is public API):
+
+    * ``AsyncLLM.add_request(request_id, prompt, params, lora_request=, priority=)``
+      registers the request and returns its ``RequestOutputCollector``, whose
+      ``request_id`` is vLLM's internal id and whose ``get_nowait()`` returns what was
+      put so far (raising a stored exception);
+    * ``AsyncLLM.output_processor.request_states`` maps that internal id to a
+      ``RequestState`` whose ``queue`` attribute is where the output handler, abort and
+      error propagation ``put`` the request's outputs (only ``put``: pinned by
+      ``tests/worker/test_vllm_steps.py`` on vLLM's source).
+    """
+    from vllm.v1.engine.output_processor import RequestOutputCollector, RequestState
+
+    missing: list[str] = []
+    params = inspect.signature(llm.add_request).parameters
+    missing += [f"AsyncLLM.add_request({name}=)" for name in
+                ("request_id", "prompt", "params", "lora_request", "priority") if name not in params]
+    if not isinstance(getattr(getattr(llm, "output_processor", None), "request_states", None), dict):
+        missing.append("AsyncLLM.output_processor.request_states (a dict)")
+    if "queue" not in inspect.signature(RequestState.__init__).parameters:
+        missing.append("RequestState.queue")
+    missing += [f"RequestOutputCollector.{name}" for name in ("put", "get_nowait")
+                if not callable(getattr(RequestOutputCollector, name, None))]
+    if "request_id" not in inspect.signature(RequestOutputCollector.__init__).parameters:
+        missing.append("RequestOutputCollector.request_id")
+    if missing:
+        raise RuntimeError(
+            "this vLLM lacks internals the worker's per-step output path relies on "
+            f"(written against vLLM 0.32): {', '.join(missing)}; see services/worker/vllm_engine.py"
+        )
+
+
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(Sampling))
+_PROMPT_MESSAGE = re.compile(r"\b(prompt|token ids?)\b", re.IGNORECASE)
 
 
 def rejected(exc: Exception) -> RequestRejected:
     """The engine's refusal as INVALID_ARGUMENT naming the field.
 
-    vLLM names the parameter on most validation errors; the rest start with it
-    ("min_p must be in [0, 1], got 3.0"), so the first word is tried as a field name.
+    vLLM names the parameter on most validation errors; many start with it
+    ("min_p must be in [0, 1], got 3.0"), so the first word is tried as a field name; the
+    prompt checks name neither ("The decoder prompt (length 2048) ...", "Token id 4096 is
+    out of vocabulary") and are recognised by their words.
     """
     # args[0] is the bare message (vLLM's __str__ appends the parameter and value).
     message = str(exc.args[0] if exc.args else exc) or type(exc).__name__
     parameter = getattr(exc, "parameter", None) or message.split(" ", 1)[0]
     if parameter in _SAMPLING_FIELDS:
         field_path = f"request.sampling.{parameter}"
-    elif parameter in ("prompt", "prompt_token_ids"):
+    elif parameter in ("prompt", "prompt_token_ids") or _PROMPT_MESSAGE.search(message):
         field_path = "request.prompt_token_ids"
     else:
         field_path = "request"

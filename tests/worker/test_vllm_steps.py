@@ -1,0 +1,532 @@
+"""``VllmEngine.start``: vLLM's outputs reach the worker's sink per engine step.
+
+The adapter replaces each request's ``RequestOutputCollector`` with its own sink object,
+so it depends on vLLM internals that are not public API; the first tests pin them (they
+fail naming what changed when vLLM is upgraded). The rest run one in-process engine
+(tiny DeepSeek-V2, random weights) shared by the module, and compare ``start`` with the
+generator path (``generate``, which AsyncLLM.generate feeds through its collector).
+The engine-death test runs last: it kills the engine core. The tests marked ``engine``
+start engines (run them under the shared lock:
+``flock /tmp/llmesh-engine.lock pytest tests/worker/test_vllm_steps.py``); the others need
+vLLM installed but no engine (``-m "not engine"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import re
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from services.worker.engine import (
+    EngineDeadError,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    RequestRejected,
+    Sampling,
+)
+
+pytest.importorskip("vllm.v1.engine.async_llm")
+
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.engine import output_processor as vllm_output_processor
+
+from services.worker import vllm_engine
+from services.worker.vllm_engine import VllmEngine, check_vllm_internals
+
+PROMPTS = [[1, 400, 17, 93, 5], [2, 77, 300, 12], [9, 8, 7, 6, 5, 4], [1000, 2000, 3000], [42] * 7,
+           [5, 6, 7], [11, 12], [3000, 17, 5, 1]]
+
+
+# -- pins on vLLM's source (no engine) ---------------------------------------------------
+
+def test_vllm_only_puts_into_a_request_queue() -> None:
+    """Everything vLLM's OutputProcessor does with a request's queue is ``put`` (the step
+    outputs, the abort final, the handler's error): the adapter's sink implements only that."""
+    source = inspect.getsource(vllm_output_processor.OutputProcessor)
+    used = set(re.findall(r"\.queue\.(\w+)", source))
+    assert used == {"put"}, (
+        f"vLLM's OutputProcessor now calls {sorted(used)} on RequestState.queue; "
+        "services/worker/vllm_engine.py's _StepSink implements only put(): review it against this vLLM"
+    )
+    for method in ("process_outputs", "abort_requests", "propagate_error"):
+        body = inspect.getsource(getattr(vllm_output_processor.OutputProcessor, method))
+        assert "queue.put(" in body, (
+            f"vLLM's OutputProcessor.{method} no longer puts into the request's queue: "
+            "the per-step sink of services/worker/vllm_engine.py would miss those outputs"
+        )
+    # abort_requests delivers a final ABORT output (the adapter relies on it for abort()).
+    assert "FinishReason.ABORT" in inspect.getsource(vllm_output_processor.OutputProcessor.abort_requests), (
+        "vLLM's abort no longer puts an ABORT final into the request's queue: "
+        "VllmEngine.abort must deliver one itself"
+    )
+    put = inspect.signature(vllm_output_processor.RequestOutputCollector.put)
+    assert list(put.parameters) == ["self", "output"], f"RequestOutputCollector.put is now {put}"
+
+
+def step_sink(request: EngineRequest, sink: Any, live: dict[str, Any] | None = None) -> Any:
+    live = {} if live is None else live
+    live["i"] = vllm_engine._StepSink(vllm_engine._OutputConverter(request), sink, live, "i")
+    return live["i"]
+
+
+def test_step_sink_contract_without_an_engine() -> None:
+    """Conversion, replay skipping, errors and 'nothing after the last item', on the sink
+    object alone (as vLLM's output handler would call it)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    def output(tokens: list[int], finish: str | None = None) -> RequestOutput:
+        done = finish is not None
+        return RequestOutput("r", None, [1, 2], None, [CompletionOutput(
+            0, "", tokens, None, None, finish_reason=finish, stop_reason=None)], finished=done)
+
+    got: list[EngineOutput | Exception] = []
+    live: dict[str, Any] = {}
+    request = EngineRequest("r", (1, 2), replay_token_ids=(7, 8, 9))
+    sink = step_sink(request, got.append, live)
+    for out in (output([7]), output([8, 9, 10]), output([11]), output([12], "length"), output([13])):
+        sink.put(out)
+    assert [o.token_ids for o in got if isinstance(o, EngineOutput)] == [[10], [11], [12]]
+    last = got[-1]
+    assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.LENGTH and not live
+    sink.put(RuntimeError("after the final"))
+    assert len(got) == 3
+
+    for exc, kind, text in (
+        (VLLMValidationError("bad value", parameter="temperature"), RequestRejected,
+         "request.sampling.temperature"),
+        (vllm_engine.VllmEngineDeadError(), EngineDeadError, ""),
+        (RuntimeError("handler bug"), EngineDeadError, "handler bug"),
+    ):
+        got.clear()
+        sink = step_sink(EngineRequest("r", (1,)), got.append)
+        sink.put(exc)
+        sink.put(output([5]))
+        assert len(got) == 1 and isinstance(got[0], kind) and text in str(got[0]), got
+
+    def raising(item: object) -> None:
+        raise ValueError("a broken sink")
+
+    # A sink that raises must not end vLLM's output handler (it would end the engine).
+    step_sink(EngineRequest("r", (1,)), raising).put(output([5]))
+
+
+class _FakeLLM:
+    """Just what ``VllmEngine.start`` touches of AsyncLLM, with a hook that runs while
+    add_request is "awaiting the engine core" (where the output handler may run)."""
+
+    def __init__(self, during_add: Any) -> None:
+        from types import SimpleNamespace
+
+        self.output_processor = SimpleNamespace(request_states={})
+        self.during_add = during_add
+
+    async def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        from vllm.sampling_params import RequestOutputKind
+
+        collector = vllm_output_processor.RequestOutputCollector(RequestOutputKind.DELTA, f"{request_id}-int")
+        state = SimpleNamespace(queue=collector)
+        self.output_processor.request_states[collector.request_id] = state
+        self.during_add(self.output_processor.request_states, collector)
+        return collector
+
+
+def fake_engine(during_add: Any) -> VllmEngine:
+    from services.worker.engine import EngineInfo
+
+    engine = object.__new__(VllmEngine)
+    engine.llm = _FakeLLM(during_add)  # type: ignore[assignment]
+    engine._info = EngineInfo(max_model_len=64, vocab_size=100, max_num_seqs=1)
+    engine._loras = {}
+    engine._live = {}
+    engine.priority_scheduling = False
+    return engine
+
+
+def fake_output(tokens: list[int], finish: str | None = None) -> Any:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", None, [1, 2], None, [CompletionOutput(
+        0, "", tokens, None, None, finish_reason=finish, stop_reason=None)], finished=finish is not None)
+
+
+async def test_what_came_before_the_swap_is_handed_over_first() -> None:
+    """An output, an abort's final or the handler's error put into vLLM's collector while
+    add_request was still awaiting reaches the sink first, then the later steps."""
+    def first_step(states: dict[str, Any], collector: Any) -> None:
+        collector.put(fake_output([5]))
+
+    got: list[EngineOutput | Exception] = []
+    engine = fake_engine(first_step)
+    await engine.start(EngineRequest("r", (1, 2), Sampling(max_tokens=3)), got.append)
+    (state,) = engine.llm.output_processor.request_states.values()
+    state.queue.put(fake_output([6, 7], "length"))  # type: ignore[union-attr]  # it is the step sink now
+    assert [o.token_ids for o in got if isinstance(o, EngineOutput)] == [[5], [6, 7]] and not engine._live
+
+    def aborted(states: dict[str, Any], collector: Any) -> None:
+        states.pop(collector.request_id)  # abort_requests drops the state and puts a final
+        collector.put(fake_output([], "abort"))
+
+    got.clear()
+    await fake_engine(aborted).start(EngineRequest("r", (1, 2)), got.append)
+    assert len(got) == 1 and isinstance(got[0], EngineOutput) and got[0].finish_reason is FinishReason.ABORT
+
+    def died(states: dict[str, Any], collector: Any) -> None:
+        collector.put(vllm_engine.VllmEngineDeadError())
+
+    got.clear()
+    engine = fake_engine(died)
+    await engine.start(EngineRequest("r", (1, 2)), got.append)
+    assert len(got) == 1 and isinstance(got[0], EngineDeadError) and not engine._live
+
+    def vanished(states: dict[str, Any], collector: Any) -> None:
+        states.pop(collector.request_id)  # not vLLM's contract: gone without a final
+
+    got.clear()
+    await fake_engine(vanished).start(EngineRequest("r", (1, 2)), got.append)
+    assert len(got) == 1 and isinstance(got[0], EngineOutput) and got[0].finish_reason is FinishReason.ERROR
+
+
+# -- one real engine for the module ------------------------------------------------------
+
+@dataclass
+class Counted:
+    """The engine with a counter of vLLM's ``process_outputs`` calls (one per engine step
+    and chunk of at most VLLM_V1_OUTPUT_PROC_CHUNK_SIZE requests)."""
+
+    engine: VllmEngine
+    calls: list[int] = field(default_factory=lambda: [0])
+
+
+@pytest.fixture(scope="module")
+async def counted(tiny_deepseek_dir: Path) -> AsyncIterator[Counted]:
+    engine = VllmEngine.build({
+        "model": str(tiny_deepseek_dir), "tokenizer": str(tiny_deepseek_dir), "enforce_eager": True,
+        "max_num_seqs": 16, "max_model_len": 2048, "seed": 0,
+    })
+    counted = Counted(engine)
+    processor = engine.llm.output_processor
+    original = processor.process_outputs
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counted.calls[0] += 1
+        return original(*args, **kwargs)
+
+    processor.process_outputs = counting  # type: ignore[method-assign]
+    yield counted
+    await engine.shutdown()
+
+
+@dataclass
+class Recorder:
+    """A sink recording each item with the process_outputs call and the task it came in."""
+
+    calls: list[int]
+    items: list[tuple[int, asyncio.Task[Any] | None, EngineOutput | Exception]] = field(default_factory=list)
+    after_last: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    first: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __call__(self, item: EngineOutput | Exception) -> None:
+        if self.done.is_set():
+            self.after_last += 1
+            return
+        self.items.append((self.calls[0], asyncio.current_task(), item))
+        self.first.set()
+        if isinstance(item, Exception) or item.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def outputs(self) -> list[EngineOutput]:
+        return [item for _, _, item in self.items if isinstance(item, EngineOutput)]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for out in self.outputs for t in out.token_ids]
+
+    @property
+    def last(self) -> EngineOutput | Exception:
+        return self.items[-1][2]
+
+    async def wait(self, timeout: float = 120.0) -> EngineOutput | Exception:
+        await asyncio.wait_for(self.done.wait(), timeout)
+        assert self.after_last == 0, "the sink got something after its last item"
+        return self.last
+
+
+def greedy(request_id: str, prompt: list[int], max_tokens: int, **sampling: Any) -> EngineRequest:
+    return EngineRequest(request_id, tuple(prompt),
+                         Sampling(temperature=0.0, max_tokens=max_tokens, **sampling))
+
+
+async def via_start(counted: Counted, requests: list[EngineRequest]) -> list[Recorder]:
+    recorders = [Recorder(counted.calls) for _ in requests]
+    for request, recorder in zip(requests, recorders, strict=True):
+        await counted.engine.start(request, recorder)
+    for recorder in recorders:
+        await recorder.wait()
+    return recorders
+
+
+async def via_generate(engine: VllmEngine, requests: list[EngineRequest]) -> list[list[EngineOutput]]:
+    async def one(request: EngineRequest) -> list[EngineOutput]:
+        return [out async for out in engine.generate(request)]
+
+    return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def tokens_of(outputs: list[EngineOutput]) -> list[int]:
+    return [t for out in outputs for t in out.token_ids]
+
+
+async def wait_engine_idle(engine: VllmEngine) -> None:
+    for _ in range(400):
+        if engine.llm.output_processor.get_num_unfinished_requests() == 0 and not engine._live:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("requests still tracked by the engine adapter")
+
+
+# -- behaviour through the real engine ---------------------------------------------------
+
+@pytest.mark.engine
+async def test_internals_are_where_the_adapter_expects_them(counted: Counted) -> None:
+    engine = counted.engine
+    check_vllm_internals(engine.llm)  # what VllmEngine.__init__ checked
+    request = greedy("pin", PROMPTS[0], 4)
+    params, prompt, _, _ = engine._submission(request)
+    collector = await engine.llm.add_request("pin", prompt, params)
+    try:
+        state = engine.llm.output_processor.request_states[collector.request_id]
+        assert state.queue is collector, (
+            "AsyncLLM.add_request no longer hands its collector to the RequestState")
+        assert collector.request_id.startswith("pin"), collector.request_id
+    finally:
+        await engine.llm.abort("pin")
+    final: Any = collector.get_nowait()
+    assert final is not None and final.finished and final.outputs[0].finish_reason == "abort"
+    await wait_engine_idle(engine)
+
+
+@pytest.mark.engine
+async def test_every_request_of_a_step_reaches_its_sink_in_one_handler_call(counted: Counted) -> None:
+    max_tokens = 12
+    requests = [greedy(f"step-{i}", p, max_tokens, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    recorders = await via_start(counted, requests)
+    handler = counted.engine.llm.output_handler
+    per_call: dict[int, list[int]] = {}
+    for i, recorder in enumerate(recorders):
+        assert len(recorder.tokens) == max_tokens
+        last = recorder.last
+        assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.LENGTH
+        for call, task, _ in recorder.items:
+            assert task is handler, "a sink was called outside vLLM's output handler"
+            per_call.setdefault(call, []).append(i)
+    # One output per request per handler call, and the steps where every request ran
+    # delivered all of them in one call.
+    assert all(len(ids) == len(set(ids)) for ids in per_call.values()), per_call
+    assert sum(1 for ids in per_call.values() if len(ids) == len(requests)) >= max_tokens // 2, per_call
+    assert len(per_call) <= 2 * max_tokens, per_call
+    await wait_engine_idle(counted.engine)
+
+
+@pytest.mark.engine
+async def test_greedy_start_equals_generate(counted: Counted) -> None:
+    # One request at a time on both paths: the same batches in the engine. (Concurrent
+    # submissions batch differently from run to run, and the random tiny model's near-tied
+    # logits then pick other tokens on either path.)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        (native,) = await via_start(counted, [greedy(f"eq-{i}", prompt, 16)])
+        (generated,) = await via_generate(counted.engine, [greedy(f"eq-g{i}", prompt, 16)])
+        assert native.tokens == tokens_of(generated), f"prompt {i}"
+        ours, theirs = native.last, generated[-1]
+        assert isinstance(ours, EngineOutput)
+        assert (ours.finish_reason, ours.stop_token_id, ours.prompt_tokens, ours.cached_tokens) == (
+            theirs.finish_reason, theirs.stop_token_id, theirs.prompt_tokens, theirs.cached_tokens)
+        assert ours.queue_ms is not None and ours.ttft_ms is not None and ours.ttft_ms > 0
+
+
+@pytest.mark.engine
+async def test_stop_token_ids(counted: Counted) -> None:
+    (reference,) = await via_start(counted, [greedy("stop-ref", PROMPTS[3], 8, ignore_eos=True)])
+    stop = reference.tokens[3]
+    (stopped,) = await via_start(counted, [greedy("stop", PROMPTS[3], 8, stop_token_ids=[stop])])
+    last = stopped.last
+    assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.STOP
+    assert last.stop_token_id == stop
+    assert stopped.tokens == reference.tokens[:reference.tokens.index(stop) + 1]
+    request = greedy("stop-g", PROMPTS[3], 8, stop_token_ids=[stop])
+    (generated,) = await via_generate(counted.engine, [request])
+    assert tokens_of(generated) == stopped.tokens and generated[-1].stop_token_id == stop
+
+
+@pytest.mark.engine
+async def test_cached_tokens(smollm2_dir: Path) -> None:
+    """On SmolLM2: vLLM's CPU build turns prefix caching off for MLA models (the tiny DeepSeek)."""
+    engine = VllmEngine.build({"model": str(smollm2_dir), "tokenizer": str(smollm2_dir),
+                               "enforce_eager": True, "max_num_seqs": 4, "max_model_len": 512,
+                               "enable_prefix_caching": True})
+    try:
+        counted = Counted(engine)
+        prompt = [(7 * i) % 3000 + 10 for i in range(300)]  # blocks of 128 tokens on CPU
+        (first,) = await via_start(counted, [greedy("cache-1", prompt, 2)])
+        (again,) = await via_start(counted, [greedy("cache-2", prompt, 2)])
+        (generated,) = await via_generate(engine, [greedy("cache-g", prompt, 2)])
+        assert isinstance(first.last, EngineOutput) and isinstance(again.last, EngineOutput)
+        assert first.last.cached_tokens == 0 and first.last.prompt_tokens == 300
+        assert 0 < again.last.cached_tokens < 300
+        assert again.last.cached_tokens == generated[-1].cached_tokens
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.engine
+async def test_replay_is_not_emitted_and_the_rest_equals_an_undisturbed_run(counted: Counted) -> None:
+    sampling: dict[str, Any] = {"ignore_eos": True, "logprobs": 2}
+    (undisturbed,) = await via_start(counted, [greedy("replay-ref", PROMPTS[1], 24, **sampling)])
+    replay = tuple(undisturbed.tokens[:10])
+    request = EngineRequest("replay", tuple(PROMPTS[1]), Sampling(temperature=0.0, max_tokens=14, **sampling),
+                            replay_token_ids=replay)
+    (resumed,) = await via_start(counted, [request])
+    assert resumed.tokens == undisturbed.tokens[10:]
+    assert all(out.token_ids or out.finished for out in resumed.outputs), "an empty delta was emitted"
+    lps = [lp for out in resumed.outputs for lp in (out.logprobs or [])]
+    assert [lp.token_id for lp in lps] == resumed.tokens
+    last = resumed.last
+    assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.LENGTH
+    (generated,) = await via_generate(counted.engine, [EngineRequest(
+        "replay-g", tuple(PROMPTS[1]), request.sampling, replay_token_ids=replay)])
+    assert tokens_of(generated) == resumed.tokens
+
+
+@pytest.mark.engine
+async def test_logprobs(counted: Counted) -> None:
+    (native,) = await via_start(counted, [greedy("lp", PROMPTS[2], 5, logprobs=3)])
+    (generated,) = await via_generate(counted.engine, [greedy("lp-g", PROMPTS[2], 5, logprobs=3)])
+    ours = [lp for out in native.outputs for lp in (out.logprobs or [])]
+    theirs = [lp for out in generated for lp in (out.logprobs or [])]
+    assert [lp.token_id for lp in ours] == native.tokens and len(ours) == 5
+    for lp, other in zip(ours, theirs, strict=True):
+        assert lp.logprob <= 0 and len(lp.top) == 3 and lp.top[0][1] >= lp.top[-1][1]
+        assert lp.token_id == other.token_id and [t for t, _ in lp.top] == [t for t, _ in other.top]
+        assert math.isclose(lp.logprob, other.logprob, abs_tol=1e-3)
+
+
+@pytest.mark.engine
+async def test_abort_delivers_an_abort_final_and_frees_the_request(counted: Counted) -> None:
+    engine = counted.engine
+    running = Recorder(counted.calls)
+    await engine.start(greedy("abort-run", PROMPTS[0], 1500, ignore_eos=True), running)
+    await asyncio.wait_for(running.first.wait(), 60)
+    at_once = Recorder(counted.calls)  # aborted before its first step
+    await engine.start(greedy("abort-now", PROMPTS[1], 1500, ignore_eos=True), at_once)
+    await engine.abort("abort-now")
+    await engine.abort("abort-run")
+    for recorder in (running, at_once):
+        last = await recorder.wait()
+        assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.ABORT
+    assert len(running.tokens) < 1500
+    await engine.abort("abort-run")  # already gone: ignored
+    await wait_engine_idle(engine)
+    # The engine core freed them: its next report (with the next step) shows nothing else running.
+    await via_start(counted, [greedy("after-abort", PROMPTS[2], 2)])
+    assert engine.stats.running <= 1
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(("sampling", "prompt", "field_path"), [
+    ({"temperature": float("nan")}, [5], "request.sampling.temperature"),  # SamplingParams refuses it
+    ({"logprobs": 30}, [5], "request.sampling.logprobs"),  # add_request refuses the rest
+    ({"max_tokens": 1}, [5] * 2049, "request.prompt_token_ids"),
+    ({}, [5, 4096], "request.prompt_token_ids"),
+])
+async def test_refused_values_name_the_field(counted: Counted, sampling: dict[str, Any], prompt: list[int],
+                                             field_path: str) -> None:
+    recorder = Recorder(counted.calls)
+    request = EngineRequest("bad", tuple(prompt), Sampling(**sampling))
+    with pytest.raises(RequestRejected) as err:
+        await counted.engine.start(request, recorder)
+    assert err.value.field == field_path, err.value
+    assert not recorder.items
+    await wait_engine_idle(counted.engine)
+
+
+@pytest.mark.engine
+async def test_a_cancelled_start_leaves_nothing_running(counted: Counted) -> None:
+    """Cancelled before add_request registered the request, and at once after it did
+    (while it sends the request to the engine core): either start raised CancelledError
+    and nothing stays in the engine, or it had returned and the request runs (aborted here)."""
+    engine = counted.engine
+    processor = engine.llm.output_processor
+    add_request = processor.add_request
+    cancel_on_register: list[asyncio.Task[None]] = []
+
+    def spy(request: Any, *args: Any, **kwargs: Any) -> None:
+        add_request(request, *args, **kwargs)
+        for task in cancel_on_register:
+            asyncio.get_running_loop().call_soon(task.cancel)
+
+    processor.add_request = spy  # type: ignore[method-assign]
+    outcomes: list[str] = []
+    try:
+        for when in ("before", "after registering"):
+            recorder = Recorder(counted.calls)
+            request = greedy(f"cancel-{len(outcomes)}", PROMPTS[0], 1500, ignore_eos=True)
+            task = asyncio.create_task(engine.start(request, recorder))
+            if when == "before":
+                task.cancel()
+            else:
+                cancel_on_register[:] = [task]
+            try:
+                await task
+            except asyncio.CancelledError:
+                assert not recorder.items
+                outcomes.append(f"cancelled {when}")
+            else:
+                outcomes.append(f"started ({when})")
+                await engine.abort(request.request_id)
+                last = await recorder.wait()
+                assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.ABORT
+            await wait_engine_idle(engine)
+    finally:
+        del processor.add_request
+    assert outcomes[0] == "cancelled before", outcomes
+    print("cancellation outcomes:", outcomes)
+
+
+@pytest.mark.engine
+async def test_engine_death_reaches_every_running_sink(counted: Counted) -> None:
+    """Runs last: kills the module's engine core."""
+    engine = counted.engine
+    recorders = [Recorder(counted.calls) for _ in range(3)]
+    for i, recorder in enumerate(recorders):
+        await engine.start(greedy(f"dies-{i}", PROMPTS[i], 1500, ignore_eos=True), recorder)
+    await asyncio.gather(*(asyncio.wait_for(r.first.wait(), 60) for r in recorders))
+    cores = []
+    for child in psutil.Process().children(recursive=True):
+        try:  # engines shut down earlier may linger as zombies
+            if child.status() != psutil.STATUS_ZOMBIE and "EngineCor" in child.name():  # 15 characters
+                cores.append(child)
+        except psutil.Error:
+            continue
+    assert cores, "no engine-core process found"
+    for core in cores:
+        core.send_signal(signal.SIGKILL)
+    for recorder in recorders:
+        last = await recorder.wait(timeout=60)
+        assert isinstance(last, EngineDeadError), last
+    assert engine.errored and not engine._live
+    with pytest.raises(EngineDeadError):
+        await engine.start(greedy("too-late", PROMPTS[0], 4), Recorder(counted.calls))
+

@@ -1,0 +1,186 @@
+"""Frontend CPU per output token of ``VllmEngine.start``: the per-request bridge vs the native path.
+
+Usage (one real engine; run it under the shared lock):
+    flock /tmp/llmesh-engine.lock env PYTHONPATH=. python tests/worker/vllm_step_cpu.py [MODEL_DIR]
+
+Builds one engine (tiny DeepSeek by default) in this process and runs rounds of
+``--waves`` x ``--concurrency`` requests (random prompts, greedy, ``ignore_eos``,
+``--max-tokens`` each), alternating the two ways of feeding a sink:
+
+* ``bridged``: what ``start`` did before (``start_from_generator`` over ``generate``: a
+  task per request draining ``AsyncLLM.generate``, which awaits vLLM's per-request
+  collector);
+* ``native``: ``VllmEngine.start`` (vLLM's output handler calls each request's sink
+  from ``process_outputs``);
+* ``native_no_envs_cache``: the same with vLLM's env cache off, as it was before
+  ``VllmEngine.build`` turned it on.
+
+The figure is this process's utime + stime (``/proc/self/stat``: every thread of the
+frontend; the engine core is another process and is not counted) per output token.
+A last ``probe`` round runs native with ``OutputProcessor.process_outputs`` timed (thread
+CPU; of which the adapter's ``_StepSink.put``, i.e. conversion and the sink) and, on the
+same ``EngineCoreOutput`` lists, a minimal direct conversion of the kind a
+reader of the engine core's outputs (no OutputProcessor) would still need: what bypassing
+vLLM's output processor could save at most. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s() -> float:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+async def run_round(engine: Any, mode: str, prompts: list[list[int]], waves: int, max_tokens: int,
+                    tag: str) -> dict[str, float]:
+    from services.worker.engine import EngineOutput, EngineRequest, Sampling, start_from_generator
+
+    sampling = Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = 0
+    cpu0, wall0 = process_cpu_s(), time.perf_counter()
+    for wave in range(waves):
+        remaining = len(prompts)
+        done = asyncio.Event()
+
+        def sink(item: EngineOutput | Exception, done: asyncio.Event = done) -> None:
+            nonlocal tokens, remaining
+            if isinstance(item, Exception):
+                raise item
+            tokens += len(item.token_ids)
+            if item.finish_reason is not None:
+                remaining -= 1
+                if not remaining:
+                    done.set()
+
+        tasks = []
+        for i, prompt in enumerate(prompts):
+            request = EngineRequest(f"{tag}-{wave}-{i}", tuple(prompt), sampling)
+            if mode == "bridged":
+                tasks.append(start_from_generator(engine.generate(request), sink))
+            else:
+                await engine.start(request, sink)
+        await done.wait()
+        await asyncio.gather(*tasks)
+    cpu, wall = process_cpu_s() - cpu0, time.perf_counter() - wall0
+    return {"tokens": tokens, "cpu_us_per_token": round(cpu / tokens * 1e6, 1),
+            "tok_s": round(tokens / wall, 1)}
+
+
+def install_probe(engine: Any) -> dict[str, float]:
+    """Time process_outputs and a direct conversion of the same outputs (thread CPU)."""
+    from services.worker.engine import EngineOutput, FinishReason
+
+    processor = engine.llm.output_processor
+    original = processor.process_outputs
+    totals = {"process_outputs_s": 0.0, "direct_s": 0.0, "outputs": 0}
+    finish = {0: FinishReason.STOP, 1: FinishReason.LENGTH, 2: FinishReason.ABORT, 3: FinishReason.ERROR}
+    table: dict[str, Any] = {}  # a reader of EngineCoreOutputs would keep its own requests
+
+    def direct(outputs: list[Any]) -> None:
+        for o in outputs:
+            table.get(o.request_id)
+            reason = o.finish_reason
+            stop = o.stop_reason
+            EngineOutput(list(o.new_token_ids), None,
+                         finish.get(int(reason)) if reason is not None else None,
+                         stop if isinstance(stop, int) else None, 0, 0)
+
+    def probed(outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        t0 = time.thread_time()
+        direct(outputs)
+        t1 = time.thread_time()
+        result = original(outputs, *args, **kwargs)
+        t2 = time.thread_time()
+        totals["direct_s"] += t1 - t0
+        totals["process_outputs_s"] += t2 - t1
+        totals["outputs"] += len(outputs)
+        return result
+
+    processor.process_outputs = probed
+
+    from services.worker import vllm_engine
+
+    put = vllm_engine._StepSink.put
+    totals["sink_put_s"] = 0.0
+
+    def timed_put(self: Any, output: Any) -> None:
+        t0 = time.thread_time()
+        put(self, output)
+        totals["sink_put_s"] += time.thread_time() - t0
+
+    vllm_engine._StepSink.put = timed_put  # type: ignore[method-assign]
+    return totals
+
+
+async def main(model_dir: Path, concurrency: int, waves: int, max_tokens: int,
+               repeats: int) -> dict[str, Any]:
+    from services.worker.vllm_engine import VllmEngine
+
+    engine = VllmEngine.build({"model": str(model_dir), "tokenizer": str(model_dir), "enforce_eager": True,
+                               "max_num_seqs": max(64, concurrency), "max_model_len": 2048, "seed": 0})
+    rng = random.Random(0)
+    vocab = engine.info.vocab_size
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(32)] for _ in range(concurrency)]
+    try:
+        await run_round(engine, "native", prompts[:2], 1, 8, "warm-n")
+        await run_round(engine, "bridged", prompts[:2], 1, 8, "warm-b")
+        from vllm import envs as vllm_envs
+
+        rounds: dict[str, list[dict[str, float]]] = {"bridged": [], "native": [], "native_no_envs_cache": []}
+        for r in range(repeats):
+            order = list(rounds) if r % 2 == 0 else list(reversed(rounds))
+            for mode in order:
+                if mode == "native_no_envs_cache":  # as before VllmEngine.build turned it on
+                    vllm_envs.disable_envs_cache()
+                result = await run_round(engine, mode.split("_", 1)[0], prompts, waves, max_tokens,
+                                         f"{mode}{r}")
+                vllm_envs.enable_envs_cache()
+                rounds[mode].append(result)
+                print(json.dumps({"round": r, "mode": mode, **result}), file=sys.stderr, flush=True)
+        probe = install_probe(engine)
+        probed = await run_round(engine, "native", prompts, waves, max_tokens, "probe")
+    finally:
+        await engine.shutdown()
+    summary: dict[str, Any] = {"model": model_dir.name, "concurrency": concurrency, "waves": waves,
+                               "max_tokens": max_tokens, "loadavg": os.getloadavg()}
+    for mode, rs in rounds.items():
+        values = [r["cpu_us_per_token"] for r in rs]
+        summary[mode] = {"cpu_us_per_token": values, "median": statistics.median(values),
+                         "spread": round(max(values) - min(values), 1), "tok_s": [r["tok_s"] for r in rs]}
+    # Each repeat ran every mode back to back: the ratio within a repeat is what compares
+    # (the host is shared; absolute figures drift between runs).
+    for mode in ("native", "native_no_envs_cache"):
+        ratios = [n["cpu_us_per_token"] / b["cpu_us_per_token"]
+                  for n, b in zip(rounds[mode], rounds["bridged"], strict=True)]
+        summary[f"{mode}_over_bridged"] = {"per_repeat": [round(x, 3) for x in ratios],
+                                           "median": round(statistics.median(ratios), 3)}
+    tokens = probed["tokens"]
+    summary["probe"] = {
+        **probed,
+        "process_outputs_us_per_token": round(probe["process_outputs_s"] / tokens * 1e6, 1),
+        "direct_conversion_us_per_token": round(probe["direct_s"] / tokens * 1e6, 1),
+        "of_which_adapter_sink_put_us_per_token": round(probe["sink_put_s"] / tokens * 1e6, 1),
+        "outputs_per_token": round(probe["outputs"] / tokens, 3),
+    }
+    return summary
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    model = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.home() / ".cache/llmesh/models/tiny-deepseek"
+    print(json.dumps(asyncio.run(main(model, concurrency=32, waves=3, max_tokens=128, repeats=5)), indent=2))
