@@ -8,7 +8,6 @@ vLLM import. Nothing here imports grpc or vLLM.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -159,28 +158,6 @@ class Engine(Protocol):
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""
         ...
-
-
-def start_from_generator(
-    outputs: AsyncGenerator[EngineOutput, None], sink: OutputSink
-) -> asyncio.Task[None]:
-    """:meth:`Engine.start` for an engine that yields one generator per request: a task
-    per request drains it into ``sink`` (no per-step batching; for engines without a
-    step loop of their own). Cancelling the task closes the generator."""
-
-    async def drain() -> None:
-        try:
-            async with contextlib.aclosing(outputs) as events:
-                async for out in events:
-                    sink(out)
-                    if out.finish_reason is not None:
-                        return
-            # The engine ended the stream without a finish reason: an error of this request.
-            sink(EngineOutput([], finish_reason=FinishReason.ERROR))
-        except (EngineDeadError, RequestRejected) as exc:
-            sink(exc)
-
-    return asyncio.ensure_future(drain())
 
 
 async def stream_from_start(engine: Engine, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.worker.engine import EngineRequest, OutputSink, start_from_generator
+from services.worker.engine import EngineOutput, EngineRequest, FinishReason, OutputSink
 from services.worker.fake_engine import FakeEngine
 from services.worker.server import WorkerServer, start_worker
 from services.worker.servicer import SERVICE_NAME
@@ -49,9 +50,31 @@ class RunningWorker:
         return await self.server.stop()
 
 
+def start_from_generator(
+    outputs: AsyncGenerator[EngineOutput, None], sink: OutputSink
+) -> asyncio.Task[None]:
+    """``Engine.start`` for an engine that yields one generator per request: a task per
+    request drains it into ``sink``, so outputs of one step reach the worker from many
+    tasks (an engine without a step loop of its own). Cancelling the task closes it."""
+
+    async def drain() -> None:
+        try:
+            async with contextlib.aclosing(outputs) as events:
+                async for out in events:
+                    sink(out)
+                    if out.finish_reason is not None:
+                        return
+            # The engine ended the stream without a finish reason: an error of this request.
+            sink(EngineOutput([], finish_reason=FinishReason.ERROR))
+        except Exception as exc:
+            sink(exc)  # EngineDeadError, RequestRejected or any failure: its end, never none
+
+    return asyncio.ensure_future(drain())
+
+
 class Bridged:
-    """The fake behind the per-request generator bridge (``start_from_generator``, a task
-    per request), as the vLLM adapter starts requests until it has a native step loop."""
+    """The fake behind a per-request generator bridge (:func:`start_from_generator`, a
+    task per request): the core and session must not rely on one callback per step."""
 
     def __init__(self, fake: FakeEngine) -> None:
         self.fake = fake

@@ -47,7 +47,8 @@ def process_cpu_s() -> float:
 
 async def run_round(engine: Any, mode: str, prompts: list[list[int]], waves: int, max_tokens: int,
                     tag: str) -> dict[str, float]:
-    from services.worker.engine import EngineOutput, EngineRequest, Sampling, start_from_generator
+    from services.worker.engine import EngineOutput, EngineRequest, Sampling
+    from tests.worker.conftest import start_from_generator
 
     sampling = Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tokens = 0
