@@ -7,7 +7,8 @@ in-memory exporter.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -16,7 +17,22 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from gateway.core import Deadline, GatewayCore
+from gateway.tenants import Tenant, TenantRegistry
 from gateway.tiers import GrpcTokenizerTier
+from gateway.types import (
+    ChatTurn,
+    Encoded,
+    GenerateCall,
+    ModelMeta,
+    PostConfig,
+    PostDelta,
+    PostFinal,
+    RouterDelta,
+    RouterFinal,
+    TextDelta,
+    TokenGeneration,
+)
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import tracing
 
@@ -68,3 +84,63 @@ async def test_encode_runs_without_a_client_span_and_keeps_the_trace(
         await tier.close()
         await server.stop(0)
 
+
+class _Tiers:
+    """Instant tokenizer, router and postprocessor doubles that log what is asked of them."""
+
+    replicas = 1
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.replies: asyncio.Queue[PostDelta | PostFinal] = asyncio.Queue()
+
+    # tokenizer
+    async def list_models(self, *, timeout: float | None) -> list[ModelMeta]:
+        return [ModelMeta(id="m", max_context_length=4096, tokenizer_checksum="", is_default=True)]
+
+    async def encode(self, model: str, prompt: str, messages: list[ChatTurn], *,
+                     add_generation_prompt: bool | None, timeout: float | None) -> Encoded:
+        self.log.append("tokenizer.encode")
+        await asyncio.sleep(0)
+        self.log.append("tokenizer.encoded")
+        return Encoded(model=model, token_ids=[1, 2, 3], tokenizer_checksum="")
+
+    # router
+    async def generate(self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
+                       resumed: int, timeout: float | None) -> AsyncIterator[RouterDelta | RouterFinal]:
+        self.log.append("router.generate")
+        yield RouterDelta(token_ids=[7])
+        yield RouterFinal(finish_reason="length")
+
+    async def abort(self, replica: int, request_id: str) -> None:
+        return None
+
+    # postprocessor
+    async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> _Tiers:
+        self.log.append("postprocessor.open")
+        return self
+
+    async def send_tokens(self, token_ids: list[int]) -> None:
+        self.log.append("postprocessor.tokens")
+        self.replies.put_nowait(PostDelta(text="x"))
+
+    async def send_end(self, finish_reason: str) -> None:
+        self.replies.put_nowait(PostFinal(finish_reason="length", matched_stop="", completion_tokens=1))
+
+    async def read(self) -> PostDelta | PostFinal:
+        return await self.replies.get()
+
+    async def close(self, graceful: bool = False) -> None:
+        self.log.append("postprocessor.close")
+
+
+async def test_the_postprocessor_request_opens_while_the_prompt_is_encoded() -> None:
+    """Its set-up overlaps the tokenizer call instead of coinciding with the router's and
+    the worker's work on the first token; nothing else changes order."""
+    tiers = _Tiers()
+    core = GatewayCore(tiers, tiers, tiers, tenants=TenantRegistry([]))  # type: ignore[arg-type]
+    items = [item async for item in core.generate_stream(
+        Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))]
+    assert [i.text for i in items if isinstance(i, TextDelta)] == ["x"]
+    assert tiers.log == ["postprocessor.open", "tokenizer.encode", "tokenizer.encoded", "router.generate",
+                         "postprocessor.tokens", "postprocessor.close"]
