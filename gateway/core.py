@@ -321,6 +321,7 @@ class GatewayCore:
         output_parts: list[str] = []
         completion: Completion | None = None
         registered = False
+        stream: _Stream | None = None
         try:
             validate_request(call, limits)
             if request_id in self._running:
@@ -334,6 +335,15 @@ class GatewayCore:
             span.set_attribute("llmesh.model", meta.id)
             validate_call(call, meta, self.config.limits)
             self.limiter.admit(tenant)
+            post_config = PostConfig(
+                model=meta.id, stop=list(call.sampling.stop), filter_mode=tenant.filter_mode,
+            )
+            stream = _Stream(self, post_config, deadline,
+                             want_tokens=call.sampling.logprobs is not None,
+                             pacing=pacing or Pacing.for_call(call, self.config))
+            # The postprocessor request opens while the prompt is encoded: its set-up is off
+            # the path of the first token (the router and worker), not in its way.
+            await stream.open()
             with tracer().start_as_current_span("gateway.tokenize"):
                 encoded = await self.tokenizer.encode(
                     meta.id, call.prompt, call.messages, add_generation_prompt=None,
@@ -352,13 +362,7 @@ class GatewayCore:
                 request_id=request_id, model=meta.id, prompt_token_ids=encoded.token_ids,
                 sampling=engine_call.sampling, priority=call.priority, tenant=tenant.name,
             )
-            post_config = PostConfig(
-                model=meta.id, stop=list(call.sampling.stop), filter_mode=tenant.filter_mode,
-            )
-            stream = _Stream(self, generation, post_config, deadline,
-                             want_tokens=call.sampling.logprobs is not None,
-                             pacing=pacing or Pacing.for_call(call, self.config))
-            async for item in stream.run():
+            async for item in stream.run(generation):
                 if isinstance(item, TextDelta):
                     output_parts.append(item.text)
                     yield item
@@ -394,6 +398,8 @@ class GatewayCore:
             status = "INTERNAL"
             raise
         finally:
+            if stream is not None:
+                await stream.discard()  # opened, but the request never got to run
             if registered:
                 self._running.discard(request_id)
             span.set_attribute("llmesh.status", status)
@@ -449,11 +455,13 @@ class _Stream:
     """One request's pump between the router stream and the postprocessor stream."""
 
     def __init__(
-        self, core: GatewayCore, generation: TokenGeneration, post_config: PostConfig,
+        self, core: GatewayCore, post_config: PostConfig,
         deadline: Deadline, *, want_tokens: bool, pacing: Pacing = WHOLE,
     ) -> None:
         self.core = core
-        self.generation = generation
+        self.generation: TokenGeneration
+        """Set by :meth:`run` (the token ids come from the tokenizer, after :meth:`open`)."""
+        self.started = False
         self.post_config = post_config
         self.deadline = deadline
         self.want_tokens = want_tokens
@@ -607,12 +615,31 @@ class _Stream:
 
     # the pump -----------------------------------------------------------------------
 
-    async def run(self) -> AsyncIterator[TextDelta | Completion]:
+    async def open(self) -> None:
+        """Open the postprocessor request ahead of :meth:`run` (while the prompt is encoded)."""
+        async with self.lock:
+            if self.session is None:
+                await self._open_session()
+
+    async def discard(self) -> None:
+        """Drop the postprocessor request of a stream that never ran (its request failed
+        before reaching the router); a no-op once :meth:`run` started."""
+        if self.started:
+            return
+        self.started = True
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                await self.session.close()
+
+    async def run(self, generation: TokenGeneration) -> AsyncIterator[TextDelta | Completion]:
+        self.generation = generation
+        self.started = True
         router_task: asyncio.Task[None] | None = None
         final: PostFinal | None = None
         try:
-            async with self.lock:
-                await self._open_session()
+            await self.open()
             router_task = asyncio.create_task(self._run_router())
             while final is None:
                 kind, payload, gen = await self.events.get()

@@ -10,6 +10,8 @@ cores and both figures would be wrong):
    ``--reference-url`` names a running one -- driven with the same requests.
 3. overhead: a fake-engine mesh; sequential requests straight to the worker, to the
    router and through the gateway (gRPC and HTTP) give the per-request cost of the tiers.
+   Each request goes down every path in turn, so background load hits all paths alike;
+   ``added_paired_ms`` is the median of the per-request differences.
 4. batching: the router's batching window on vs off, on fake-engine meshes.
 5. capacity (``--capacity`` alone, or ``--with-capacity`` before the others): the whole mesh
    over the step-based fake engine at accelerator rates, CPU microseconds per output token
@@ -32,6 +34,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -419,11 +422,34 @@ class _TokenPathDriver:
         return result
 
 
-async def _sequential(driver: Any, requests: Sequence[BenchRequest], warmup: int = 5) -> LevelResult:
-    async with driver:
+async def interleaved(drivers: dict[str, Any], requests: Sequence[BenchRequest],
+                      warmup: int = 5) -> dict[str, LevelResult]:
+    """Sequential requests on every path, each request sent down each path in turn (the
+    order rotating from one request to the next), so a burst of background load falls on
+    all paths alike: on a shared machine the differences between paths (the added
+    figures) then hold still, where one path after the other they moved by several ms."""
+    names = list(drivers)
+    async with contextlib.AsyncExitStack() as stack:
+        for driver in drivers.values():
+            await stack.enter_async_context(driver)
         for req in requests[:warmup]:
-            await driver(req)
-        return await run_level(driver, requests[warmup:], 1)
+            for name in names:
+                await drivers[name](req)
+        results: dict[str, list[RequestResult]] = {name: [] for name in names}
+        start = time.perf_counter()
+        for i, req in enumerate(requests[warmup:]):
+            turn = i % len(names)
+            for name in names[turn:] + names[:turn]:
+                results[name].append(await drivers[name](req))
+        duration = time.perf_counter() - start
+    return {name: LevelResult(1, results[name], duration) for name in names}
+
+
+def paired_added_ms(levels: dict[str, LevelResult], path: str, base: str) -> float:
+    """Median over requests of ``path``'s TTFT minus ``base``'s for the same request."""
+    pairs = [(a.ttft_s - b.ttft_s) * 1000.0 for a, b in zip(levels[path].results, levels[base].results,
+                                                               strict=True) if a.ok and b.ok]
+    return statistics.median(pairs) if pairs else float("nan")
 
 
 def _path_figures(level: LevelResult) -> dict[str, Any]:
@@ -448,11 +474,10 @@ def run_overhead(opts: BenchOptions) -> dict[str, Any]:
             "gateway gRPC": LlmeshGrpcDriver(gateway, opts.model_name),
             "gateway HTTP": OpenAIHttpDriver(http, opts.model_name),
         }
-        paths: dict[str, Any] = {}
-        with _bar(opts, " overhead paths", len(drivers)) as bar:
-            for name, driver in drivers.items():
-                paths[name] = _path_figures(asyncio.run(_sequential(driver, requests)))
-                bar.update()
+        with _bar(opts, " overhead paths (interleaved)", 1) as bar:
+            levels = asyncio.run(interleaved(drivers, requests))
+            bar.update()
+        paths = {name: _path_figures(level) for name, level in levels.items()}
 
     def p50(path: str, fig: str) -> float:
         return float(paths[path][fig]["p50"])
@@ -470,7 +495,14 @@ def run_overhead(opts: BenchOptions) -> dict[str, Any]:
         "output_tokens_per_request": spec.output_tokens[0],
         "paths": paths,
         "added_ms": {k: round(v, 3) for k, v in added.items()},
-        "note": "gateway paths include the tokenizer and postprocessor calls; sequential requests",
+        "added_paired_ms": {
+            key: round(paired_added_ms(levels, path, "worker (direct)"), 3)
+            for key, path in (("router_ttft_p50", "router (direct)"),
+                              ("router_gateway_ttft_p50", "gateway gRPC"),
+                              ("router_gateway_http_ttft_p50", "gateway HTTP"))
+        },
+        "note": "gateway paths include the tokenizer and postprocessor calls; sequential requests, "
+                "each sent down every path in turn; added_paired_ms: median of per-request differences",
     }
 
 
@@ -682,7 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reference-url", default="", help="base URL of a running OpenAI-compatible reference")
     t.add_argument("--reference-pid", type=int, default=0, help="pid of the running reference (CPU figures)")
     o = p.add_argument_group("overhead and batching phases")
-    o.add_argument("--overhead-requests", type=int, default=200, help="sequential requests per path")
+    o.add_argument("--overhead-requests", type=int, default=200,
+                   help="sequential requests per path (each request goes down every path in turn)")
     o.add_argument("--batching-concurrency", type=_levels, default=(1, 32),
                    help="levels of the batching phase")
     o.add_argument("--batching-wait-ms", type=float, default=5.0, help="router batch_max_wait_ms when on")

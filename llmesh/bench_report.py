@@ -218,12 +218,15 @@ def text_summary(report: Mapping[str, Any]) -> str:
         parts += ["", "CPU seconds per 1k output tokens:", cpu]
     overhead = report.get("overhead")
     if overhead:
-        parts += ["", "Per-request overhead with a fake-engine mesh (sequential requests, p50):"]
+        parts += ["", "Per-request overhead with a fake-engine mesh (sequential requests, each down "
+                  "every path in turn, p50):"]
         for path, figs in overhead.get("paths", {}).items():
             parts.append(f"- {path}: TTFT {_fmt(figs['ttft_ms']['p50'], 2)} ms, "
                          f"total {_fmt(figs['latency_ms']['p50'], 2)} ms, errors {figs['errors']}")
         for key, value in overhead.get("added_ms", {}).items():
             parts.append(f"- added {key}: {_fmt(value, 2)} ms")
+        for key, value in overhead.get("added_paired_ms", {}).items():
+            parts.append(f"- added {key}, paired (median of per-request differences): {_fmt(value, 2)} ms")
     capacity = report.get("capacity")
     if capacity:
         parts += ["", f"Capacity, {capacity['engine']} engine, worker transport "

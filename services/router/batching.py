@@ -5,6 +5,9 @@ call. The window adapts to the worker's pressure (load / capacity, smoothed): an
 worker gets every request immediately; as pressure rises the window grows toward
 ``max_wait_ms`` and ``max_size`` (larger batches at peak, when the engine is queueing
 anyway and one call per batch saves per-request overhead); it shrinks as load drops.
+A window only opens behind a dispatch: a request that finds nothing sent to its worker
+for a whole window goes at the end of the loop iteration it arrived in, with whatever
+arrived in the same iteration, never waiting for company that is not coming.
 
 With ``session`` (router setting ``worker_transport: session``) there is one long-lived
 Session per worker instead of calls: a window's requests go out as one message of
@@ -161,7 +164,10 @@ class BatchDispatcher:
         self._pressure = pressure
         self._observer = observer
         self._pending: list[tuple[AttemptStream, TokenRequest, float | None]] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._last_flush = float("-inf")
+        """Loop time of the last dispatch: a window opens only for requests that follow one
+        within a window (see :meth:`submit`)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._live: set[AttemptStream] = set()
         """Streams submitted and not yet finished or cancelled."""
@@ -208,13 +214,21 @@ class BatchDispatcher:
             self._flush()
         elif self._timer is None:
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(plan.wait_ms / 1000.0, self._flush)
+            if loop.time() - self._last_flush >= plan.wait_ms / 1000.0:
+                # Nothing went to this worker for a whole window: there is nobody to batch
+                # with, so a lone request does not wait for one (the smoothed pressure can
+                # stay high long after a burst). It still waits for the end of this loop
+                # iteration, so the requests that arrive in the same one go with it.
+                self._timer = loop.call_soon(self._flush)
+            else:
+                self._timer = loop.call_later(plan.wait_ms / 1000.0, self._flush)
         return stream
 
     def _flush(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._last_flush = asyncio.get_running_loop().time()
         if self._wants_session and not self.session and time.monotonic() >= self._session_retry_at:
             self.session = True  # the worker may have been upgraded since
         while self._pending:

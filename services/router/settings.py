@@ -139,7 +139,9 @@ class RouterSettings(ServerSettings):
     missed a load poll while busy comes back, and the accepted request is not lost. A new
     request with no routable worker fails at once."""
     batch_max_wait_ms: float = 5.0
-    """Longest batching window under load; 0 turns batching windows off."""
+    """Longest batching window under load; 0 turns batching windows off. A window only opens
+    behind a dispatch to the same worker: a request that finds none within the last window
+    goes at once."""
     batch_max_size: int = 16
     """Most requests in one GenerateBatch call."""
     affinity_prefix_tokens: int = 64

@@ -22,7 +22,7 @@ def build_core(settings: TokenizerSettings) -> TokenizerCore:
     limits = settings.limits()  # the limits the gateway shares (services/common/limits.py)
     return TokenizerCore(
         models, limits=limits, threads=settings.encode_threads, max_batch=settings.max_encode_batch,
-        on_batch=metrics.ENCODE_BATCH_SIZE.observe,
+        on_batch=metrics.ENCODE_BATCH_SIZE.observe, inline_max_chars=settings.inline_encode_max_chars,
     )
 
 

@@ -137,6 +137,9 @@ def test_grpc_protocol_overhead_and_batching(bench_mesh: Mesh, tmp_path: Path) -
         assert figs["requests"] == 6 and figs["errors"] == 0, figs["error_samples"]
     assert set(overhead["added_ms"]) == {"router_ttft_p50", "router_total_p50", "router_gateway_ttft_p50",
                                          "router_gateway_total_p50", "router_gateway_http_ttft_p50"}
+    assert set(overhead["added_paired_ms"]) == {"router_ttft_p50", "router_gateway_ttft_p50",
+                                                "router_gateway_http_ttft_p50"}
+    assert all(math.isfinite(v) for v in overhead["added_paired_ms"].values())
     batching = report["batching"]
     assert [row["concurrency"] for row in batching["comparison"]] == [2]
     row = batching["comparison"][0]
@@ -282,3 +285,37 @@ def test_with_capacity_adds_the_phase_and_worker_transport_reaches_the_router(
     assert config.router.settings["worker_transport"] == "calls"
     default = bench.options_from_args(bench.build_parser().parse_args([]))
     assert default.worker_transport == RouterSettings.model_fields["worker_transport"].default == "session"
+
+
+class _Path:
+    """A driver double that logs which request it got and answers with a fixed TTFT."""
+
+    def __init__(self, name: str, log: list[tuple[str, int]], ttft_s: float) -> None:
+        self.name, self.log, self.ttft_s = name, log, ttft_s
+
+    async def __aenter__(self) -> _Path:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def __call__(self, request: Any) -> Any:
+        from llmesh.bench_load import RequestResult
+
+        self.log.append((self.name, request.index))
+        return RequestResult(ok=True, ttft_s=self.ttft_s + request.index / 1000, latency_s=1.0,
+                             output_tokens=1)
+
+
+async def test_overhead_paths_take_each_request_in_turn() -> None:
+    """Each request goes down every path, the order rotating, so background load falls on
+    all paths alike; the paired figure is the median of per-request differences."""
+    requests = make_workload(2 + 3, seed=1, spec=WorkloadSpec(prompt_words=(2, 2), output_tokens=(1, 1)))
+    assert [r.index for r in requests] == [0, 1, 2, 3, 4]
+    log: list[tuple[str, int]] = []
+    drivers = {name: _Path(name, log, ttft) for name, ttft in (("w", 0.001), ("r", 0.003), ("g", 0.010))}
+    levels = await bench.interleaved(drivers, requests, warmup=2)
+    assert log[6:] == [("w", 2), ("r", 2), ("g", 2), ("r", 3), ("g", 3), ("w", 3),
+                       ("g", 4), ("w", 4), ("r", 4)]
+    assert [len(level.results) for level in levels.values()] == [3, 3, 3]
+    assert bench.paired_added_ms(levels, "g", "w") == pytest.approx(9.0)

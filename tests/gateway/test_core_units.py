@@ -3,6 +3,8 @@ whose checksum is not the model's."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.core import Deadline, GatewayCore, _to_engine_sampling
@@ -58,14 +60,39 @@ class _TokenizerReplicas:
         return Encoded(model=model, token_ids=[1, 2, 3], tokenizer_checksum=self.encoding)
 
 
+class _UnusedPostSession:
+    """A postprocessor request opened ahead of the tokenizer's answer (issue #17) that must
+    get no tokens, only its close."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def send_tokens(self, token_ids: list[int]) -> None:
+        raise AssertionError("a request with a mismatched tokenizer must not reach the postprocessor")
+
+    async def send_end(self, finish_reason: str) -> None:
+        raise AssertionError("a request with a mismatched tokenizer must not reach the postprocessor")
+
+    async def read(self) -> None:
+        await asyncio.Event().wait()  # nothing comes back for a request that got nothing
+
+    async def close(self, graceful: bool = False) -> None:
+        self.closed = True
+
+
 class _NoTier:
     replicas = 1
 
-    def generate(self, *args: object, **kwargs: object) -> object:
-        raise AssertionError("a request with a mismatched tokenizer must not reach the router")
+    def __init__(self) -> None:
+        self.sessions: list[_UnusedPostSession] = []
 
-    async def open(self, *args: object, **kwargs: object) -> object:
-        raise AssertionError("a request with a mismatched tokenizer must not reach the postprocessor")
+    def generate(self, *args: object, **kwargs: object) -> object:
+        # An error of the request's own (not a transport failure): the gateway passes it on.
+        raise Unavailable("reached the router")
+
+    async def open(self, *args: object, **kwargs: object) -> _UnusedPostSession:
+        self.sessions.append(_UnusedPostSession())
+        return self.sessions[-1]
 
     async def abort(self, *args: object, **kwargs: object) -> None:
         return None
@@ -74,12 +101,15 @@ class _NoTier:
 async def test_a_tokenizer_replica_with_another_checksum_is_refused() -> None:
     """Token ids from a tokenizer other than the model's would make the workers generate
     garbage: the gateway answers UNAVAILABLE before anything reaches the router."""
-    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-b"), _NoTier(), _NoTier(),  # type: ignore[arg-type]
+    post = _NoTier()
+    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-b"), _NoTier(), post,  # type: ignore[arg-type]
                        tenants=TenantRegistry([]))
     with pytest.raises(Unavailable, match="checksum"):
         await core.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
+    # The postprocessor request opened while the prompt was encoded is dropped unused.
+    assert [s.closed for s in post.sessions] == [True]
     same = GatewayCore(_TokenizerReplicas("sha-a", "sha-a"), _NoTier(), _NoTier(),  # type: ignore[arg-type]
                        tenants=TenantRegistry([]))
     # The control: with matching checksums the same request goes on to the tiers.
-    with pytest.raises(AssertionError, match="must not reach the"):
+    with pytest.raises(Unavailable, match="reached the router"):
         await same.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))

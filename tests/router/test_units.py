@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from services.router.batching import AdaptiveWindow
+from services.common.generation import TokenRequest
+from services.router.batching import AdaptiveWindow, BatchDispatcher
 from services.router.breaker import Circuit, CircuitBreaker
 from services.router.health import WorkerMonitor
 from services.router.registry import SERVING, ChecksumBook, Load, WorkerInfo, WorkerState
@@ -119,6 +120,59 @@ def test_window_moderate_load_gives_moderate_window() -> None:
         window.observe(0.6)
     plan = window.plan()
     assert 0 < plan.wait_ms < 10 and 2 <= plan.max_size < 16
+
+
+class _RecordingLink:
+    """A worker session link that records each message's submissions."""
+
+    def __init__(self) -> None:
+        self.messages: list[list[str]] = []
+        self._closed = asyncio.Event()
+
+    def send(self, submits, aborts) -> None:  # type: ignore[no-untyped-def]
+        self.messages.append([s.request.request_id for s in submits])
+
+    async def events(self):  # type: ignore[no-untyped-def]
+        await self._closed.wait()
+        return
+        yield
+
+    async def close(self) -> None:
+        self._closed.set()
+
+
+class _SessionClient:
+    address = "fake:1"
+
+    def __init__(self) -> None:
+        self.link = _RecordingLink()
+
+    def open_session(self) -> _RecordingLink:
+        return self.link
+
+
+async def test_a_lone_request_is_not_held_for_a_window_under_pressure() -> None:
+    """Issue #17: a request that finds nothing sent to its worker for a whole window goes
+    at the end of the loop iteration (with what arrived in the same one), even when the
+    smoothed pressure says "window"; one that follows a dispatch within a window waits for
+    company as before. A minute-long window: an old-style wait would not end in this test."""
+    client = _SessionClient()
+    window = AdaptiveWindow(max_wait_ms=60_000, max_size=8)
+    window.level = 1.0  # pressure left high, e.g. by a burst that is over
+    dispatcher = BatchDispatcher(client, window, lambda: 1.0, session=True)  # type: ignore[arg-type]
+    try:
+        assert window.plan().wait_ms > 0
+        dispatcher.submit(TokenRequest(request_id="a"), None)
+        dispatcher.submit(TokenRequest(request_id="b"), None)
+        assert client.link.messages == []  # not synchronously: same-iteration arrivals join
+        await asyncio.sleep(0)  # one loop iteration, not a timed wait
+        assert client.link.messages == [["a", "b"]]
+
+        dispatcher.submit(TokenRequest(request_id="c"), None)  # right behind a dispatch
+        await asyncio.sleep(0)
+        assert client.link.messages == [["a", "b"]] and dispatcher.queued == 1
+    finally:
+        await dispatcher.close()
 
 
 def test_window_off_when_max_wait_zero() -> None:

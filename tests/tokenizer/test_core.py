@@ -209,6 +209,37 @@ async def test_concurrent_encodes_are_micro_batched_and_correct(loaded):
         core.close()
 
 
+async def test_a_short_text_alone_is_encoded_on_the_loop_without_a_thread(loaded):
+    """Issue #17: at low load a short prompt does not wait for a thread hand-off and back;
+    a long one, or one of several asked for together, still goes to the threads."""
+    core = TokenizerCore(loaded, threads=1, inline_max_chars=64)
+    try:
+        short = "What is the capital of France?"
+        result = await core.encode(EncodeInput(model=SMOL, prompt=short))
+        assert result.token_ids == loaded[SMOL].tokenizer.encode(short).ids
+        assert (core.batcher.inline, core.batcher.batches) == (1, 1)
+
+        long = "word " * 40
+        result = await core.encode(EncodeInput(model=SMOL, prompt=long))
+        assert result.token_ids == loaded[SMOL].tokenizer.encode(long).ids
+        assert (core.batcher.inline, core.batcher.batches) == (1, 2)
+
+        # Asked for in the same iteration: one batch on the thread, however short.
+        texts = [f"request {i}" for i in range(4)]
+        results = await asyncio.gather(*(core.encode(EncodeInput(model=SMOL, prompt=t)) for t in texts))
+        assert [r.token_ids for r in results] == [loaded[SMOL].tokenizer.encode(t).ids for t in texts]
+        assert (core.batcher.inline, core.batcher.batches) == (1, 3)
+    finally:
+        core.close()
+
+    off = TokenizerCore(loaded, inline_max_chars=0)
+    try:
+        await off.encode(EncodeInput(model=SMOL, prompt="hi"))
+        assert (off.batcher.inline, off.batcher.batches) == (0, 1)
+    finally:
+        off.close()
+
+
 async def test_model_without_chat_template_accepts_prompts_only(loaded):
     bare = dataclasses.replace(loaded[TINY], chat_template=None)
     core = TokenizerCore({"bare": bare})
