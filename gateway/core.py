@@ -46,6 +46,7 @@ from gateway.validation import check_context, validate_call, validate_request
 from services.common.errors import (
     Cancelled,
     DeadlineExceeded,
+    Internal,
     InvalidArgument,
     LlmeshError,
     NotFound,
@@ -551,6 +552,8 @@ class _Stream:
             await self.events.put(("post_failed", exc, gen))
         except LlmeshError as exc:
             await self.events.put(("error", exc, gen))
+        except Exception as exc:
+            await self.events.put(("error", _unexpected("postprocessor", exc), gen))
 
     async def _send_tokens(self, ids: list[int]) -> None:
         if self.session is None:
@@ -570,7 +573,10 @@ class _Stream:
             try:
                 await self._router_attempt()
                 return
-            except LlmeshError as exc:
+            except Exception as exc:
+                if not isinstance(exc, LlmeshError):
+                    await self.events.put(("error", _unexpected("router", exc), 0))
+                    return
                 step = self.router_failovers.failed(_failure_kind(exc), delivered=bool(self.tokens))
                 if not step.moves:
                     await self.events.put(("error", exc, 0))
@@ -741,3 +747,11 @@ class _Stream:
             completion.token_ids = list(self.pending_ids)
             completion.logprobs = list(self.pending_logprobs)
         return completion
+
+
+def _unexpected(tier: str, exc: Exception) -> Internal:
+    """A failure that is not llmesh's own error (a bug in the gateway or a tier client):
+    logged with its traceback, and the request ends INTERNAL at once instead of leaving
+    its caller waiting for the deadline."""
+    log.error("the %s side of a request failed unexpectedly", tier, exc_info=exc)
+    return Internal(f"gateway error on the {tier} side: {type(exc).__name__}")

@@ -12,7 +12,7 @@ from gateway.server import build_core
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.types import ChatTurn, Encoded, GenerateCall, ModelMeta, Sampling
-from services.common.errors import Unavailable
+from services.common.errors import Internal, Unavailable
 
 
 def test_unset_temperature_takes_the_default_and_stops_are_left_to_the_postprocessor() -> None:
@@ -113,3 +113,43 @@ async def test_a_tokenizer_replica_with_another_checksum_is_refused() -> None:
     # The control: with matching checksums the same request goes on to the tiers.
     with pytest.raises(Unavailable, match="reached the router"):
         await same.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
+
+
+class _BuggyTier(_NoTier):
+    """A tier client with a bug: it raises what no tier should (not an llmesh error)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def generate(self, *args: object, **kwargs: object) -> object:
+        if self.where == "router":
+            raise RuntimeError("bug in the router client")
+        return self._silent_router()
+
+    async def _silent_router(self):  # type: ignore[no-untyped-def]
+        await asyncio.Event().wait()  # the router sends nothing: only the bug ends it
+        yield
+
+    async def open(self, *args: object, **kwargs: object) -> _UnusedPostSession:
+        session = await super().open(*args, **kwargs)
+        if self.where == "postprocessor":
+            async def read() -> None:
+                raise RuntimeError("bug in the postprocessor client")
+            session.read = read  # type: ignore[method-assign]
+        return session
+
+
+@pytest.mark.parametrize("where", ["router", "postprocessor"])
+async def test_a_bug_on_one_side_ends_the_request_internal_at_once(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not an llmesh error (a bug): the caller gets INTERNAL now, not a wait until its
+    deadline, and the traceback is logged."""
+    buggy = _BuggyTier(where)
+    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-a"), buggy, buggy,  # type: ignore[arg-type]
+                       tenants=TenantRegistry([]))
+    with pytest.raises(Internal, match=f"{where} side: RuntimeError"):
+        await asyncio.wait_for(
+            core.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(600)), 30)
+    assert f"bug in the {where} client" in caplog.text
