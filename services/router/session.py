@@ -119,8 +119,18 @@ class RouterSession(framing.FramedSession[Frame]):
         ):
             # Closing core.generate (by the timeout, or cancelled by an abort) aborts the
             # worker request.
-            async with asyncio.timeout(submission.timeout_s):
-                generation = self.router.generate(route, submission.timeout_s)
+            async with asyncio.timeout(submission.timeout_s) as deadline:
+                task = asyncio.current_task()
+
+                def deliver(delta: Delta) -> None:
+                    # Tokens go into the frame from the worker link's reader, without
+                    # waking this task. Between an abort or a passed deadline and this
+                    # task closing the generation, nothing more is sent for the handle
+                    # (it may already run another request).
+                    if self._tasks.get(handle) is task and not deadline.expired():
+                        self._add(handle, delta)
+
+                generation = self.router.generate(route, submission.timeout_s, deliver)
                 async with contextlib.aclosing(generation) as events:
                     async for event in events:
                         self._add(handle, event)

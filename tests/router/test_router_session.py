@@ -393,3 +393,65 @@ async def test_a_worker_without_session_gets_calls_and_keeps_its_circuit(
         assert workers[0].worker.frames
     finally:
         await stop_all(rut, workers)
+
+
+@pytest.mark.parametrize("transport", ["session", "calls"])
+async def test_tokens_reach_the_frame_without_waking_the_request_task(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    """The steady state: a request's tokens go from the worker link into the session's
+    frame directly; its task wakes for the end of an attempt only. Counted through the
+    attempt stream's queue (each event taken from it is one wake-up of the request's
+    task and one trip through the generators above it), not timed."""
+    taken: list[object] = []
+    original = batching.AttemptStream.events
+
+    async def counted(self: batching.AttemptStream) -> AsyncIterator[object]:
+        async for event in original(self):
+            taken.append(event)
+            yield event
+
+    monkeypatch.setattr(batching.AttemptStream, "events", counted)
+    workers = await fakes("zone-a", token_delay_s=0.002)
+    rut = await start_router([(workers[0].address, "zone-a")], worker_transport=transport)
+    try:
+        client = SessionClient(rut.stub)
+        handles = [1, 2, 3]
+        await client.send([submit(h, [6, h], 24) for h in handles])
+        await client.until_ended(handles)
+        for h in handles:
+            assert client.outcomes[h].tokens == expected_tokens([6, h], 24)
+            assert client.outcomes[h].frames > 1  # the tokens came over many frames
+        assert len(taken) == len(handles), taken  # the finals, and not one token
+        client.call.cancel()
+        # A Generate call still streams its deltas through the loop.
+        taken.clear()
+        tokens, _ = await rut.generate([7, 7], 5)
+        assert tokens == expected_tokens([7, 7], 5)
+        assert len(taken) == 6
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_a_request_resumes_on_another_worker_with_exact_tokens() -> None:
+    """The direct token path keeps resume: tokens delivered before the worker stopped are
+    replayed to the next one, and the caller gets each token once."""
+    workers = await fakes("zone-a", "zone-b", token_delay_s=0.01)
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        client = SessionClient(rut.stub)
+        await client.send([submit(1, [2, 9], 40)])
+        while len(client.outcomes[1].tokens) < 5:
+            await client.read_frame()
+        await workers[0].stop()
+        await client.until_ended([1])
+        outcome = client.outcomes[1]
+        assert outcome.error is None
+        assert outcome.tokens == expected_tokens([2, 9], 40)
+        assert outcome.final is not None
+        assert outcome.final.served_by.worker_id == "zone-b-1"
+        assert outcome.final.served_by.resumed == 1
+        assert outcome.final.final.completion_tokens == 40
+        client.call.cancel()
+    finally:
+        await stop_all(rut, workers[1:])
