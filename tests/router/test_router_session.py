@@ -24,9 +24,12 @@ from prometheus_client import REGISTRY
 from llmesh.common.v1 import common_pb2
 from llmesh.router.v1 import router_pb2
 from services.common import errors
+from services.common.generation import Delta, TokenRequest
+from services.common.sampling import Sampling
 from services.router import batching
 from services.router import session as session_module
 from services.router.breaker import Circuit
+from services.router.core import RouteRequest
 from services.worker.fake_engine import FakeModel, fake_greedy
 from tests.router.fakeworker import FakeWorker, RunningFake, next_token, start_fake
 from tests.router.helpers import request, start_router, wait_for
@@ -455,3 +458,32 @@ async def test_a_request_resumes_on_another_worker_with_exact_tokens() -> None:
         client.call.cancel()
     finally:
         await stop_all(rut, workers[1:])
+
+
+async def test_no_token_reaches_the_frame_after_an_abort() -> None:
+    """Tokens go to the frame without the request's task: between an abort and that task
+    closing the generation, a worker frame may still bring the request's tokens. They
+    must not reach the handle, which may already run another request. Driven by hand, in
+    one tick, on a RouterSession over the router's core."""
+    workers = await fakes("zone-a")
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        session = session_module.RouterSession(rut.router)
+        route = RouteRequest(TokenRequest(
+            request_id="late", prompt_token_ids=(4, 4),
+            sampling=Sampling(max_tokens=1500, ignore_eos=True),
+        ))
+        session.submit(session_module.Submission(1, route, timeout_s=30.0))
+        frames = session.frames()
+        async with asyncio.timeout(10):
+            while 1 not in (await anext(frames)).tokens:
+                pass
+        stream = rut.router._active["late"].stream
+        assert stream is not None
+        session.abort(1)
+        stream.push(Delta([42]))  # a worker frame read in the same tick
+        assert 1 not in session._frame.tokens
+        await session.close()
+        await wait_for(lambda: running(workers) == 0)
+    finally:
+        await stop_all(rut, workers)
