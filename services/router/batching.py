@@ -103,9 +103,22 @@ class AttemptStream:
     done: bool = False
     cancelled: bool = False
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    on_delta: Callable[[Delta], None] | None = None
+    """Set by the consumer for the steady state: deltas go straight to it from the
+    worker link's reader, with no queue, no task wake-up and no generator per token;
+    the queue then carries only the end (final, error, end of stream)."""
 
     def push(self, item: object) -> None:
         if not self.done and not self.cancelled:
+            if self.on_delta is not None and type(item) is Delta:
+                try:
+                    self.on_delta(item)
+                except Exception as exc:
+                    # A bug in the consumer fails this request (its events() raises it),
+                    # not the worker link's reader that every request shares.
+                    item = exc
+                else:
+                    return
             self.queue.put_nowait(item)
             if isinstance(item, Final) or item is _END or isinstance(
                 item, BaseException

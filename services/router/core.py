@@ -379,14 +379,21 @@ class Router:
         return True
 
     def generate(
-        self, route: RouteRequest, timeout: float | None = None
+        self, route: RouteRequest, timeout: float | None = None,
+        on_delta: Callable[[Delta], None] | None = None,
     ) -> AsyncGenerator[Delta | RouterFinal, None]:
         """Stream deltas then one Final, retrying before and resuming after the first token.
 
         An async generator: nothing runs (not even validation) until it is iterated, and
         closing it aborts the worker request.
+
+        With ``on_delta`` the deltas (those with tokens or logprobs) are not yielded but
+        handed to it as the worker link reads them, from the reader's task: the caller's
+        task then wakes once per attempt's end, not once per token (the router Session's
+        steady state). Failures, retries and resumes run as without it; ``on_delta`` must
+        not block, and it sees no delta after the generator is closed.
         """
-        return _AttemptLoop(self, route, timeout).run()
+        return _AttemptLoop(self, route, timeout, on_delta).run()
 
 
 _FAILOVER_POLL_S = 0.025
@@ -403,8 +410,13 @@ class _AttemptLoop:
     error on, or give up.
     """
 
-    def __init__(self, router: Router, route: RouteRequest, timeout: float | None) -> None:
+    def __init__(
+        self, router: Router, route: RouteRequest, timeout: float | None,
+        on_delta: Callable[[Delta], None] | None = None,
+    ) -> None:
         self.router = router
+        self.on_delta = on_delta
+        """Where deltas go without being yielded (see :meth:`Router.generate`)."""
         self.route = route
         self.request = route.request
         self.timeout = timeout
@@ -554,6 +566,8 @@ class _AttemptLoop:
         raised, when the request cannot move on). The slot is released on the way out."""
         worker = attempt.worker
         stream = self.router._dispatchers[worker.address].submit(request, self.deadline)
+        if self.on_delta is not None:
+            stream.on_delta = self._deliver
         self.active.stream = stream
         finished = False
         try:
@@ -590,6 +604,14 @@ class _AttemptLoop:
             if not finished:
                 await stream.cancel()
             self.router._release(attempt)
+
+    def _deliver(self, delta: Delta) -> None:
+        """A delta straight from the worker link (``on_delta``): accounted for (resume
+        replays it) and passed on, in the reader's task."""
+        if delta.token_ids or delta.logprobs:
+            self._delivered(delta)
+            assert self.on_delta is not None
+            self.on_delta(delta)
 
     def _delivered(self, delta: Delta) -> None:
         if self.first_token_at is None:

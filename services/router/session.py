@@ -6,9 +6,11 @@ event after a flush schedules the next flush with ``call_soon``; every event the
 requests produce before the event loop gets to it lands in the same frame. The worker
 link wakes all requests of one engine step in the same loop iteration (one worker frame,
 or one message per request read back to back), so a step's tokens for many requests
-cross the router -> gateway hop as one message instead of one message per request. That
-machinery is :class:`services.common.framing.FramedSession`; this module says what a
-router frame holds and how one request runs.
+cross the router -> gateway hop as one message instead of one message per request.
+Tokens reach the frame from the worker link's reader directly (``on_delta`` of
+:meth:`Router.generate`): a request's task wakes for the end of an attempt, not per
+token. The frame machinery is :class:`services.common.framing.FramedSession`; this
+module says what a router frame holds and how one request runs.
 
 Requests keep what they had as separate Generate calls: validation with field
 violations (an error of that request alone), a deadline after which the request ends
@@ -119,8 +121,18 @@ class RouterSession(framing.FramedSession[Frame]):
         ):
             # Closing core.generate (by the timeout, or cancelled by an abort) aborts the
             # worker request.
-            async with asyncio.timeout(submission.timeout_s):
-                generation = self.router.generate(route, submission.timeout_s)
+            async with asyncio.timeout(submission.timeout_s) as deadline:
+                task = asyncio.current_task()
+
+                def deliver(delta: Delta) -> None:
+                    # Tokens go into the frame from the worker link's reader, without
+                    # waking this task. Between an abort or a passed deadline and this
+                    # task closing the generation, nothing more is sent for the handle
+                    # (it may already run another request).
+                    if self._tasks.get(handle) is task and not deadline.expired():
+                        self._add(handle, delta)
+
+                generation = self.router.generate(route, submission.timeout_s, deliver)
                 async with contextlib.aclosing(generation) as events:
                     async for event in events:
                         self._add(handle, event)

@@ -24,9 +24,12 @@ from prometheus_client import REGISTRY
 from llmesh.common.v1 import common_pb2
 from llmesh.router.v1 import router_pb2
 from services.common import errors
+from services.common.generation import Delta, TokenRequest
+from services.common.sampling import Sampling
 from services.router import batching
 from services.router import session as session_module
 from services.router.breaker import Circuit
+from services.router.core import RouteRequest
 from services.worker.fake_engine import FakeModel, fake_greedy
 from tests.router.fakeworker import FakeWorker, RunningFake, next_token, start_fake
 from tests.router.helpers import request, start_router, wait_for
@@ -391,5 +394,96 @@ async def test_a_worker_without_session_gets_calls_and_keeps_its_circuit(
         assert tokens == expected_tokens([9, 9], 3)
         assert workers[0].worker.session_calls == asked + 1
         assert workers[0].worker.frames
+    finally:
+        await stop_all(rut, workers)
+
+
+@pytest.mark.parametrize("transport", ["session", "calls"])
+async def test_tokens_reach_the_frame_without_waking_the_request_task(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    """The steady state: a request's tokens go from the worker link into the session's
+    frame directly; its task wakes for the end of an attempt only. Counted through the
+    attempt stream's queue (each event taken from it is one wake-up of the request's
+    task and one trip through the generators above it), not timed."""
+    taken: list[object] = []
+    original = batching.AttemptStream.events
+
+    async def counted(self: batching.AttemptStream) -> AsyncIterator[object]:
+        async for event in original(self):
+            taken.append(event)
+            yield event
+
+    monkeypatch.setattr(batching.AttemptStream, "events", counted)
+    workers = await fakes("zone-a", token_delay_s=0.002)
+    rut = await start_router([(workers[0].address, "zone-a")], worker_transport=transport)
+    try:
+        client = SessionClient(rut.stub)
+        handles = [1, 2, 3]
+        await client.send([submit(h, [6, h], 24) for h in handles])
+        await client.until_ended(handles)
+        for h in handles:
+            assert client.outcomes[h].tokens == expected_tokens([6, h], 24)
+            assert client.outcomes[h].frames > 1  # the tokens came over many frames
+        assert len(taken) == len(handles), taken  # the finals, and not one token
+        client.call.cancel()
+        # A Generate call still streams its deltas through the loop.
+        taken.clear()
+        tokens, _ = await rut.generate([7, 7], 5)
+        assert tokens == expected_tokens([7, 7], 5)
+        assert len(taken) == 6
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_a_request_resumes_on_another_worker_with_exact_tokens() -> None:
+    """The direct token path keeps resume: tokens delivered before the worker stopped are
+    replayed to the next one, and the caller gets each token once."""
+    workers = await fakes("zone-a", "zone-b", token_delay_s=0.01)
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        client = SessionClient(rut.stub)
+        await client.send([submit(1, [2, 9], 40)])
+        while len(client.outcomes[1].tokens) < 5:
+            await client.read_frame()
+        await workers[0].stop()
+        await client.until_ended([1])
+        outcome = client.outcomes[1]
+        assert outcome.error is None
+        assert outcome.tokens == expected_tokens([2, 9], 40)
+        assert outcome.final is not None
+        assert outcome.final.served_by.worker_id == "zone-b-1"
+        assert outcome.final.served_by.resumed == 1
+        assert outcome.final.final.completion_tokens == 40
+        client.call.cancel()
+    finally:
+        await stop_all(rut, workers[1:])
+
+
+async def test_no_token_reaches_the_frame_after_an_abort() -> None:
+    """Tokens go to the frame without the request's task: between an abort and that task
+    closing the generation, a worker frame may still bring the request's tokens. They
+    must not reach the handle, which may already run another request. Driven by hand, in
+    one tick, on a RouterSession over the router's core."""
+    workers = await fakes("zone-a")
+    rut = await start_router([(workers[0].address, "zone-a")])
+    try:
+        session = session_module.RouterSession(rut.router)
+        route = RouteRequest(TokenRequest(
+            request_id="late", prompt_token_ids=(4, 4),
+            sampling=Sampling(max_tokens=1500, ignore_eos=True),
+        ))
+        session.submit(session_module.Submission(1, route, timeout_s=30.0))
+        frames = session.frames()
+        async with asyncio.timeout(10):
+            while 1 not in (await anext(frames)).tokens:
+                pass
+        stream = rut.router._active["late"].stream
+        assert stream is not None
+        session.abort(1)
+        stream.push(Delta([42]))  # a worker frame read in the same tick
+        assert 1 not in session._frame.tokens
+        await session.close()
+        await wait_for(lambda: running(workers) == 0)
     finally:
         await stop_all(rut, workers)
