@@ -8,7 +8,7 @@ router) wakes all its requests in the same loop iteration, so a step's output fo
 requests crosses the hop as one message.
 
 A request runs either in a task of its own (:meth:`FramedSession._start`: the router's
-and the postprocessor's requests; the router's task wakes once per attempt, its tokens
+requests; such a task wakes once per attempt, its tokens
 reach the frame from the worker link's reader) or without one (:meth:`FramedSession._open` ...
 :meth:`FramedSession._ended`: the worker's, fed by engine callbacks, so one engine step
 fills one frame with no task wakeup per request).
