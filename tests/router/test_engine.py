@@ -41,8 +41,10 @@ def real_workers() -> Iterator[list[TierProcess]]:
 
 PROMPT = [1, 100, 200, 300, 400, 500, 600, 700]
 # Long enough that the victim is still generating when it is killed: a starved worker
-# frontend hands tokens on in bursts, so the client may see token 1 late.
-N = 320
+# frontend (or a starved test process, which also runs the router) hands tokens on in
+# bursts, so the client may see token 1 late. At 320 a CI run on a loaded box once saw
+# token 1 only after the victim had finished; the context holds 1,024.
+N = 640
 
 
 async def _generate(rut, kill_after: int = 0, victim: TierProcess | None = None):  # type: ignore[no-untyped-def]
