@@ -184,6 +184,9 @@ class BatchDispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._live: set[AttemptStream] = set()
         """Streams submitted and not yet finished or cancelled."""
+        self.heard_at = float("-inf")
+        """Loop time of the latest output from the worker (the health watchdog counts it
+        as a sign of life beside the load reports)."""
 
     @property
     def live(self) -> int:
@@ -276,7 +279,9 @@ class BatchDispatcher:
         self, stream: AttemptStream, request: TokenRequest, deadline: float | None
     ) -> None:
         try:
+            loop = asyncio.get_running_loop()
             async for _, event in self.client.generate(request, self._timeout(deadline)):
+                self.heard_at = loop.time()
                 stream.push(event)
             stream.push(_END)
         except asyncio.CancelledError:
@@ -299,10 +304,12 @@ class BatchDispatcher:
         # One call carries every request: it may live as long as the longest deadline;
         # each request's own deadline is enforced by the router core.
         deadline = None if any(d is None for d in deadlines) else max(d for d in deadlines if d)
+        loop = asyncio.get_running_loop()
         try:
             async for request_id, event in self.client.generate_batch(
                 [request for _, request, _ in batch], self._timeout(deadline)
             ):
+                self.heard_at = loop.time()
                 target = streams.get(request_id)
                 if target is not None:
                     target.push(event)
@@ -341,9 +348,11 @@ class BatchDispatcher:
     async def _read_session(self, link: WorkerSessionLink) -> None:
         error = WorkerCallError("transport", "UNAVAILABLE", "worker session ended")
         answered = False
+        loop = asyncio.get_running_loop()
         try:
             async for handle, event in link.events():
                 answered = True
+                self.heard_at = loop.time()
                 stream = self._by_handle.get(handle)
                 if stream is None:
                     continue  # cancelled or aborted by us: late output is dropped

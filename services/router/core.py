@@ -38,7 +38,7 @@ from services.router.admission import Admission, NoCapacity
 from services.router.batching import AdaptiveWindow, AttemptStream, BatchDispatcher
 from services.router.breaker import Circuit, CircuitBreaker
 from services.router.health import WorkerMonitor
-from services.router.registry import ChecksumBook, Registry, WorkerInfo, WorkerState
+from services.router.registry import SERVING, ChecksumBook, Registry, WorkerInfo, WorkerState
 from services.router.routing import Policy, ZoneLadder, choose, prefix_key
 from services.router.settings import RouterSettings
 from services.router.workerapi import WorkerCallError, WorkerClient
@@ -198,7 +198,7 @@ class Router:
             return None
         client = self._connect(address)
         self._clients[address] = client
-        self._dispatchers[address] = BatchDispatcher(
+        self._dispatchers[address] = dispatcher = BatchDispatcher(
             client,
             AdaptiveWindow(self.settings.batch_max_wait_ms, self.settings.batch_max_size),
             state.pressure,
@@ -210,6 +210,7 @@ class Router:
             interval_s=self.settings.load_interval_ms / 1000.0,
             timeout_s=self.settings.load_timeout_ms / 1000.0,
             failures_to_eject=self.settings.load_failures_to_eject,
+            heard_at=lambda: dispatcher.heard_at,
         )
         self._monitors[address] = monitor
         monitor.start()
@@ -343,6 +344,18 @@ class Router:
         if any(w.info is None and not w.models for w in self.registry) or not known:
             raise Unavailable("no worker is connected yet" if len(self.registry) else "no workers configured")
         raise NotFound(f"model {name!r} is not served (served: {', '.join(known)})")
+
+    def silent_wait_s(self, model: str) -> float:
+        """How long a new request for ``model`` that finds no routable worker may wait:
+        until ``failover_wait_ms`` after the latest silence of a worker serving the model
+        began (0 when none is silent: the rest are gone, refused, draining or tripped)."""
+        wait_s = self.settings.failover_wait_ms / 1000.0
+        now = asyncio.get_running_loop().time()
+        return max((
+            state.silent_since + wait_s - now for state in self.registry
+            if state.silent_since is not None and not state.refused and state.health == SERVING
+            and state.serves(model)
+        ), default=0.0)
 
     def _pick(self, model: str, key: bytes | None, exclude: frozenset[str]) -> _Attempt:
         choice = choose(self.registry, model, self.ladder, key, self.policy, exclude)
@@ -515,7 +528,11 @@ class _AttemptLoop:
         A request moving after a failure may find no routable worker at all (the last
         one missed a load poll while busy, or its circuit is open for a moment): it waits
         up to ``failover_wait_ms`` (never past its deadline) for one to come back instead
-        of failing. A new request gets UNAVAILABLE at once.
+        of failing. A new request waits only while a worker of its model has been silent
+        (streams open, no report) for less than ``failover_wait_ms``, and no longer than
+        that silence plus ``failover_wait_ms``: a busy worker that misses a poll does not
+        turn new requests away, and one that stays silent fails them at once after that.
+        Otherwise (every circuit open, workers gone or draining) UNAVAILABLE comes at once.
         """
         router = self.router
         waited = time.monotonic()
@@ -531,15 +548,19 @@ class _AttemptLoop:
                 metrics.REJECTED.inc()
                 raise
             except Unavailable:
-                if not self.failovers.failures:
-                    raise
                 now = time.monotonic()
                 if give_up_at is None:
-                    give_up_at = now + router.settings.failover_wait_ms / 1000.0
+                    wait_s = router.settings.failover_wait_ms / 1000.0
+                    if not self.failovers.failures:
+                        wait_s = router.silent_wait_s(self.model)
+                        if wait_s <= 0:
+                            raise
+                    give_up_at = now + wait_s
                     if self.deadline is not None:
                         give_up_at = min(give_up_at, self.deadline)
-                    log.warning("request %s: no routable worker for model %s; waiting up to %.1f s",
-                                self.request_id, self.model, max(0.0, give_up_at - now))
+                    log.log(logging.WARNING if self.failovers.failures else logging.INFO,
+                            "request %s: no routable worker for model %s; waiting up to %.1f s",
+                            self.request_id, self.model, max(0.0, give_up_at - now))
                 if now >= give_up_at:
                     raise
                 # Rare (every worker out at once): a short poll also sees circuits that

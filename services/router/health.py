@@ -33,6 +33,7 @@ class WorkerMonitor:
         interval_s: float = 0.15,
         timeout_s: float = 0.4,
         failures_to_eject: int = 1,
+        heard_at: Callable[[], float] | None = None,
     ) -> None:
         self.state = state
         self.client = client
@@ -43,6 +44,15 @@ class WorkerMonitor:
         self.failures_to_eject = max(1, failures_to_eject)
         self._tasks: list[asyncio.Task[None]] = []
         self._last_report = float("-inf")
+        self._heard_at = heard_at
+        """Loop time of the worker's latest output on the data plane: a worker whose
+        frames keep arriving is answering, whatever became of its load reports."""
+
+    def _last_sign(self) -> float:
+        """Loop time of the latest sign of life: a load report or a data frame."""
+        if self._heard_at is None:
+            return self._last_report
+        return max(self._last_report, self._heard_at())
 
     def start(self) -> None:
         self._tasks = [
@@ -97,6 +107,7 @@ class WorkerMonitor:
                     changed = load != state.load or state.load_failures > 0
                     state.load = load
                     state.load_failures = 0
+                    state.silent_since = None
                     # A new stream, or reports again after a silence: the process may have
                     # been replaced, so re-read its model info (pid, checksum) before
                     # taking traffic again.
@@ -131,27 +142,33 @@ class WorkerMonitor:
         while True:
             # While reports arrive, wake when the latest one would be too old, not every
             # interval; once silent, when the next window of silence is complete.
-            since = max(self._last_report, counted_at)
+            since = max(self._last_sign(), counted_at)
             due = since + self.timeout_s - loop.time()
             await asyncio.sleep(due + 0.005 if due > 0 else self.interval_s)
             now = loop.time()
-            if now - self._last_report <= self.timeout_s:
+            if now - self._last_sign() <= self.timeout_s:
                 continue
             if now - counted_at < self.timeout_s:
                 continue
             # A report that reached this process while its event loop was busy is read by
             # a callback already queued behind this one: let those run before judging.
             await asyncio.sleep(0.02)
-            silent = loop.time() - self._last_report
+            silent = loop.time() - self._last_sign()
             if silent <= self.timeout_s + 0.02:
                 continue
             counted_at = loop.time()
             state = self.state
             state.load_failures += 1
+            broken = self._last_report == float("-inf")
             if state.reachable and state.load_failures >= self.failures_to_eject:
-                reason = "load watch broken" if silent == float("inf") else f"silent for {silent:.2f} s"
+                reason = "load watch broken" if broken else f"silent for {silent:.2f} s"
                 log.warning("worker %s at %s unreachable: %s", state.worker_id, state.address, reason)
                 state.reachable = False
+                # Silent with its streams open (busy or stopped, not gone): a request that
+                # finds no other worker may wait a moment for it (failover_wait_ms).
+                state.silent_since = None if broken else counted_at - silent
+            elif broken:
+                state.silent_since = None
             self._on_change(state)  # every miss counts: requests move after a few of them
 
     async def _health_loop(self) -> None:

@@ -61,6 +61,9 @@ class WorkerState:
     reachable: bool = False
     """Whether the last load poll answered in time."""
     load_failures: int = 0
+    silent_since: float | None = None
+    """Loop time since which a worker whose load stream is still open sent nothing (it
+    left routing for that silence); None while it reports or once its stream broke."""
     refused: str = ""
     """Why this worker is refused (tokenizer mismatch); empty when accepted."""
     load: Load = field(default_factory=Load)

@@ -137,7 +137,8 @@ class RouterSettings(ServerSettings):
     """How long a request that must move (its worker failed) waits for a routable worker
     when none is left, within its deadline, before it fails UNAVAILABLE: a worker that
     missed a load poll while busy comes back, and the accepted request is not lost. A new
-    request with no routable worker fails at once."""
+    request with no routable worker waits only until failover_wait_ms after a worker of its
+    model fell silent (streams open, no reports); otherwise it fails at once."""
     batch_max_wait_ms: float = 5.0
     """Longest batching window under load; 0 turns batching windows off. A window only opens
     behind a dispatch to the same worker: a request that finds none within the last window

@@ -623,3 +623,45 @@ async def test_an_engine_failure_of_one_request_is_retried_without_blaming_the_w
         assert final.served_by.zone == "zone-a"
     finally:
         await stop_all(rut, workers)
+
+
+async def _silence(rut, worker: RunningFake, silent_for_s: float):  # type: ignore[no-untyped-def]
+    """Stop watching ``worker`` and mark it silent (streams open, no reports) since
+    ``silent_for_s`` ago, as its monitor would after a missed load poll."""
+    await rut.router._monitors[worker.address].stop()
+    state = rut.router.registry.workers[worker.address]
+    state.reachable = False
+    state.load_failures = 1
+    state.silent_since = asyncio.get_running_loop().time() - silent_for_s
+    return state
+
+
+async def test_a_new_request_waits_for_a_worker_that_fell_silent_a_moment_ago() -> None:
+    """The only worker missed a load poll (busy, not gone): a new request waits for it
+    (failover_wait_ms from the start of the silence) instead of failing."""
+    workers = await fakes("zone-a")
+    rut = await start_router([(w.address, w.worker.zone) for w in workers])
+    try:
+        state = await _silence(rut, workers[0], 0.0)
+        call = asyncio.ensure_future(rut.generate([1, 2], 4))
+        await asyncio.sleep(0.3)
+        assert not call.done()
+        state.reachable, state.load_failures, state.silent_since = True, 0, None
+        tokens, final = await call
+        assert tokens == expected_tokens([1, 2], 4) and final.final.queue_ms >= 250
+    finally:
+        await stop_all(rut, workers)
+
+
+async def test_a_new_request_fails_at_once_when_the_worker_has_been_silent_long() -> None:
+    workers = await fakes("zone-a")
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], failover_wait_ms=2000)
+    try:
+        await _silence(rut, workers[0], 2.5)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rut.generate([1, 2], 4)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 0.5
+    finally:
+        await stop_all(rut, workers)

@@ -15,6 +15,8 @@ from services.router.health import WorkerMonitor
 from services.router.registry import SERVING, ChecksumBook, Load, WorkerInfo, WorkerState
 from services.router.routing import Policy, ZoneLadder, choose, prefix_key
 from services.router.settings import RouterSettings
+from services.router.workerapi import WorkerCallError
+from tests.router.helpers import wait_for
 
 
 class Clock:
@@ -332,3 +334,56 @@ async def test_each_further_missed_poll_needs_another_full_timeout_of_silence() 
     assert misses[0][0] - client.reported_at >= 0.3 and not misses[0][2]
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(misses)]
     assert all(gap >= 0.3 for gap in gaps), gaps
+
+
+async def test_frames_on_the_data_plane_keep_a_worker_with_late_load_reports_routable() -> None:
+    """Load reports stop but the worker's frames keep arriving (its WatchLoad writer is
+    starved, its engine is not): no miss is counted. When the frames stop too, the
+    silence is counted from the last frame, and the worker is marked silent (streams
+    open), which lets new requests wait for it for a moment."""
+    state = WorkerState("127.0.0.1:1", CircuitBreaker())
+    client = _SilentAfterOneReport()
+    loop = asyncio.get_running_loop()
+    heard = {"at": float("-inf")}
+    monitor = WorkerMonitor(state, client,  # type: ignore[arg-type]
+                            check_info=lambda s, i: None, on_change=lambda s: None,
+                            interval_s=0.02, timeout_s=0.2, heard_at=lambda: heard["at"])
+    monitor.start()
+    try:
+        for _ in range(30):  # 0.6 s of frames every 20 ms, three timeouts' worth
+            heard["at"] = loop.time()
+            await asyncio.sleep(0.02)
+        assert state.load_failures == 0 and state.reachable and state.silent_since is None
+        last_frame = heard["at"]
+        await asyncio.sleep(0.35)
+        assert state.load_failures == 1 and not state.reachable
+        assert state.silent_since is not None and abs(state.silent_since - last_frame) < 0.05
+    finally:
+        await monitor.stop()
+
+
+class _BrokenWatch(_SilentAfterOneReport):
+    """A worker whose WatchLoad stream breaks after one report (the process is gone)."""
+
+    connects = 0
+
+    async def watch_load(self, interval_s: float):  # type: ignore[no-untyped-def]
+        self.connects += 1
+        if self.connects == 1:
+            yield Load(running=1)
+        raise WorkerCallError("transport", "UNAVAILABLE", "connection refused")
+
+
+async def test_a_worker_whose_load_stream_broke_is_not_called_silent() -> None:
+    state = WorkerState("127.0.0.1:1", CircuitBreaker())
+    monitor = WorkerMonitor(state, _BrokenWatch(),  # type: ignore[arg-type]
+                            check_info=lambda s, i: None, on_change=lambda s: None,
+                            interval_s=0.05, timeout_s=0.1)
+    monitor.start()
+    try:
+        await wait_for(lambda: state.reachable, timeout=2.0, interval=0.01)
+        await asyncio.sleep(0.3)
+        assert state.load_failures >= 1 and not state.reachable and state.silent_since is None
+    finally:
+        await monitor.stop()
+
