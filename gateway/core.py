@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -539,15 +540,23 @@ class _Stream:
         self.post_replica = self._other(self.post_replica, self.core.postprocessor.replicas)
 
     async def _read_session(self, session: PostSession, gen: int) -> None:
+        """The session's final or failure on to the pump. Its text goes to
+        :meth:`_on_text` without waking anything: from the session's own frame reader
+        when the session can call back (``listen``), else from here."""
+        listen = getattr(session, "listen", None)
+        if listen is not None:
+            listen(functools.partial(self._on_text, gen))
         try:
             while True:
                 item = await session.read()
                 if item is None:
                     await self.events.put(("post_failed", None, gen))
                     return
+                if isinstance(item, PostDelta):
+                    self._on_text(gen, item)
+                    continue
                 await self.events.put(("post", item, gen))
-                if isinstance(item, PostFinal):
-                    return
+                return
         except TierUnavailable as exc:
             await self.events.put(("post_failed", exc, gen))
         except LlmeshError as exc:
@@ -649,7 +658,8 @@ class _Stream:
             router_task = asyncio.create_task(self._run_router())
             while final is None:
                 kind, payload, gen = await self.events.get()
-                if kind == "hold_expired":
+                if kind == "release":
+                    # Due when it was asked for; a release since then took the text.
                     if gen == self.sends and self.held_parts:
                         yield self._release()
                     continue
@@ -667,31 +677,7 @@ class _Stream:
                     async with self.lock:
                         await self._open_session()
                     continue
-                if isinstance(payload, PostDelta):
-                    if not payload.text:
-                        continue
-                    first = self.first_text_at is None
-                    if first:
-                        self.first_text_at = time.monotonic()
-                    # Released by the postprocessor: a replacement replica skips these.
-                    self.sent_chars += len(payload.text)
-                    self.held_parts.append(payload.text)
-                    if self.want_tokens:
-                        async with self.lock:
-                            self.held.token_ids += self.pending_ids
-                            self.held.logprobs += self.pending_logprobs
-                            self.pending_ids, self.pending_logprobs = [], []
-                    # The first text goes out at once (time to first token is not traded);
-                    # after it, a delta per ``interval`` pieces, or when the hold expires.
-                    # Pieces, not tokens received: the router runs ahead of the postprocessor.
-                    if self.pacing.interval and (first or len(self.held_parts) >= self.pacing.interval):
-                        yield self._release()
-                    elif self.hold_timer is None and self.pacing.max_delay_s is not None:
-                        self.hold_timer = asyncio.get_running_loop().call_later(
-                            self.pacing.max_delay_s, self.events.put_nowait,
-                            ("hold_expired", None, self.sends),
-                        )
-                elif isinstance(payload, PostFinal):
+                if isinstance(payload, PostFinal):
                     final = payload
             if self.held_parts:
                 yield self._release()
@@ -715,6 +701,34 @@ class _Stream:
             if self.session is not None:
                 with contextlib.suppress(Exception):
                     await self.session.close(graceful=final is not None)
+
+    def _on_text(self, gen: int, delta: PostDelta) -> None:
+        """Text released by the postprocessor, held for the next delta; wakes the pump only
+        when a delta is due. Runs inside the session's frame reader: never raises."""
+        if gen != self.session_gen or not delta.text:
+            return  # from a replaced postprocessor session
+        try:
+            first = self.first_text_at is None
+            if first:
+                self.first_text_at = time.monotonic()
+            # Released by the postprocessor: a replacement replica skips these.
+            self.sent_chars += len(delta.text)
+            self.held_parts.append(delta.text)
+            if self.want_tokens:
+                self.held.token_ids += self.pending_ids
+                self.held.logprobs += self.pending_logprobs
+                self.pending_ids, self.pending_logprobs = [], []
+            # The first text goes out at once (time to first token is not traded); after
+            # it, a delta per ``interval`` pieces, or when the hold expires. Pieces, not
+            # tokens received: the router runs ahead of the postprocessor.
+            if self.pacing.interval and (first or len(self.held_parts) == self.pacing.interval):
+                self.events.put_nowait(("release", None, self.sends))
+            elif self.hold_timer is None and self.pacing.max_delay_s is not None:
+                self.hold_timer = asyncio.get_running_loop().call_later(
+                    self.pacing.max_delay_s, self.events.put_nowait, ("release", None, self.sends),
+                )
+        except Exception as exc:
+            self.events.put_nowait(("error", _unexpected("postprocessor", exc), gen))
 
     def _release(self) -> TextDelta:
         """The held text as one delta; the next text starts a new one (and a new timer)."""

@@ -65,6 +65,8 @@ class SessionPost:
         """The Process call this request moved to (its replica has no Session)."""
         self._open_call = open_call
         """Opens that call: ``await open_call(timeout=...)``."""
+        self.on_text: Callable[[PostDelta], None] | None = None
+        """Where the request's text goes as its frames arrive (see :meth:`listen`)."""
         self._expiry: asyncio.TimerHandle | None = None
         """One timer for the request's deadline (not a timeout around every read: reads
         come once per frame)."""
@@ -76,6 +78,7 @@ class SessionPost:
         """The deadline passed: the next read raises DeadlineExceeded, after what already
         arrived (as a call's timeout would)."""
         self._expiry = None
+        self.on_text = None  # text after this point stays behind the error, unread
         if not self.finished and not self.closed and self.call is None:
             self.items.put_nowait(errors.DeadlineExceeded("postprocessor: the request's deadline passed"))
 
@@ -123,6 +126,12 @@ class SessionPost:
                 return
         if self._check():
             self.link.end(self.handle, convert.upstream_finish(finish_reason))
+
+    def listen(self, on_text: Callable[[PostDelta], None]) -> None:
+        """Hand the request's text to ``on_text`` from the frame reader, as it arrives
+        (no queue, no task woken per frame); :meth:`read` then returns only the final or
+        raises the error. After a move to a Process call, read() returns its text too."""
+        self.on_text = on_text
 
     async def read(self) -> PostDelta | PostFinal | None:
         if self.call is None:
@@ -172,7 +181,11 @@ class SessionPost:
     def deliver(self, item: PostItem) -> None:
         if self.finished:
             return
-        if not isinstance(item, PostDelta):
+        if isinstance(item, PostDelta):
+            if self.on_text is not None:
+                self.on_text(item)
+                return
+        else:
             self.finished = True
             if not isinstance(item, NoSession):
                 self._stop_expiry()
