@@ -20,7 +20,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -81,7 +81,12 @@ class RouterTier(Protocol):
     def generate(
         self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
         resumed: int, timeout: float | None,
-    ) -> AsyncIterator[RouterDelta | RouterFinal]: ...
+        on_delta: Callable[[RouterDelta], None] | None = None,
+    ) -> AsyncIterator[RouterDelta | RouterFinal]:
+        """The request's deltas, then its final. With ``on_delta`` a tier may hand the
+        deltas to it instead, in order and before the final, from its frame reader
+        (nothing woken per frame); the caller takes either."""
+        ...
 
     async def abort(self, replica: int, request_id: str) -> None: ...
 
@@ -479,6 +484,10 @@ class _Stream:
         self.session: PostSession | None = None
         self.session_gen = 0
         self.lock = asyncio.Lock()
+        """Held while the postprocessor session is replaced or written to with a wait."""
+        self.post_sent = 0
+        """Tokens of :attr:`tokens` the current postprocessor session has had."""
+        self._forwarder: asyncio.Future[None] | None = None
         self.events: asyncio.Queue[tuple[str, object, int]] = asyncio.Queue()
         self.first_text_at: float | None = None
         policy = core.config.failover
@@ -514,8 +523,9 @@ class _Stream:
                 session = await self.core.postprocessor.open(
                     self.post_replica, config, timeout=self.deadline.remaining()
                 )
-                if self.tokens:
-                    await session.send_tokens(list(self.tokens))
+                replay = list(self.tokens)
+                if replay:
+                    await session.send_tokens(replay)
                 if self.router_ended and self.router_final is not None:
                     await session.send_end(self.router_final.finish_reason)
             except TierUnavailable as exc:
@@ -523,9 +533,11 @@ class _Stream:
                 await self.post_failovers.pause()
                 continue
             self.session = session
+            self.post_sent = len(replay)
             self.session_gen += 1
             gen = self.session_gen
             self._reader = asyncio.ensure_future(self._read_session(session, gen))
+            self._forward()  # what came meanwhile (sent once the lock is free)
             return
 
     def _postprocessor_failed(self, reason: str) -> None:
@@ -564,12 +576,37 @@ class _Stream:
         except Exception as exc:
             await self.events.put(("error", _unexpected("postprocessor", exc), gen))
 
-    async def _send_tokens(self, ids: list[int]) -> None:
-        if self.session is None:
-            return
-        # A dead session is noticed by its reader, which replays everything we hold.
-        with contextlib.suppress(TierUnavailable):
-            await self.session.send_tokens(ids)
+    def _forward(self) -> None:
+        """Send the current postprocessor session the tokens it has not had: at once
+        when its write needs no wait (a Session request), else from a task that takes the
+        lock (a Process call, or while the session is being replaced). Never raises."""
+        session = self.session
+        if session is None or self.post_sent >= len(self.tokens):
+            return  # none open yet: opening replays every token
+        send_now = getattr(session, "send_tokens_nowait", None)
+        if send_now is not None and not self.lock.locked():
+            ids = self.tokens[self.post_sent:]
+            self.post_sent = len(self.tokens)
+            try:
+                if send_now(ids):
+                    return
+            except TierUnavailable:
+                return  # a dead session is noticed by its reader, which replays everything
+            self.post_sent -= len(ids)  # it needs the awaited write after all
+        if self._forwarder is None or self._forwarder.done():
+            self._forwarder = asyncio.ensure_future(self._forward_later())
+
+    async def _forward_later(self) -> None:
+        async with self.lock:
+            await self._send_pending()
+
+    async def _send_pending(self) -> None:
+        """:meth:`_forward`'s awaited path. Holds lock."""
+        while self.session is not None and self.post_sent < len(self.tokens):
+            ids = self.tokens[self.post_sent:]
+            self.post_sent = len(self.tokens)
+            with contextlib.suppress(TierUnavailable):
+                await self.session.send_tokens(ids)
 
     # router side ------------------------------------------------------------------
 
@@ -608,18 +645,14 @@ class _Stream:
         the final. Raises TierUnavailable when the replica fails before its final."""
         stream = self.core.router.generate(
             self.router_replica, self.generation, resume_token_ids=list(self.tokens),
-            resumed=self.resumed, timeout=self.deadline.remaining(),
+            resumed=self.resumed, timeout=self.deadline.remaining(), on_delta=self._on_tokens,
         )
         async for event in stream:
             if isinstance(event, RouterDelta):
-                async with self.lock:
-                    self.tokens.extend(event.token_ids)
-                    if self.want_tokens:
-                        self.pending_ids.extend(event.token_ids)
-                        self.pending_logprobs.extend(event.logprobs)
-                    await self._send_tokens(event.token_ids)
+                self._on_tokens(event)
             else:
                 async with self.lock:
+                    await self._send_pending()  # every token before the end
                     self.router_final = event
                     self.router_ended = True
                     if self.session is not None:
@@ -692,6 +725,8 @@ class _Stream:
         finally:
             if self.hold_timer is not None:
                 self.hold_timer.cancel()
+            if self._forwarder is not None and not self._forwarder.done():
+                self._forwarder.cancel()
             if router_task is not None and not router_task.done():
                 router_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -701,6 +736,18 @@ class _Stream:
             if self.session is not None:
                 with contextlib.suppress(Exception):
                     await self.session.close(graceful=final is not None)
+
+    def _on_tokens(self, delta: RouterDelta) -> None:
+        """The router's tokens, on to the postprocessor; runs inside the router link's
+        frame reader (or this request's attempt): never raises."""
+        try:
+            self.tokens.extend(delta.token_ids)
+            if self.want_tokens:
+                self.pending_ids.extend(delta.token_ids)
+                self.pending_logprobs.extend(delta.logprobs)
+            self._forward()
+        except Exception as exc:
+            self.events.put_nowait(("error", _unexpected("router", exc), 0))
 
     def _on_text(self, gen: int, delta: PostDelta) -> None:
         """Text released by the postprocessor, held for the next delta; wakes the pump only

@@ -100,19 +100,26 @@ class SessionPost:
             raise TierUnavailable(self.link.failure.message)
         return not self.finished
 
-    async def send_tokens(self, token_ids: list[int]) -> None:
+    def send_tokens_nowait(self, token_ids: list[int]) -> bool:
+        """Send without waiting: False (nothing done) when the request moved to a Process
+        call, whose write is awaited (:meth:`send_tokens`)."""
         if self.closed:
-            return
+            return True
         if self.call is not None and self.sent is None:
-            await self.call.send_tokens(token_ids)
-            return
+            return False
         sent = self._unanswered()
         if sent is not None:
             sent.extend(token_ids)
             if isinstance(self.link.failure, NoSession):
-                return  # read() sends it over the call
+                return True  # read() sends it over the call
         if self._check():
             self.link.tokens(self.handle, token_ids)
+        return True
+
+    async def send_tokens(self, token_ids: list[int]) -> None:
+        if not self.send_tokens_nowait(token_ids):
+            assert self.call is not None
+            await self.call.send_tokens(token_ids)
 
     async def send_end(self, finish_reason: str) -> None:
         if self.closed:

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -51,9 +51,15 @@ _Item = RouterDelta | RouterFinal | errors.LlmeshError
 
 
 class RequestEvents(asyncio.Queue[_Item]):
-    """The events of one request on a link, in order."""
+    """The events of one request on a link, in order; its deltas go straight to
+    :attr:`on_delta` when one is set (nothing queued or woken per frame)."""
+
+    on_delta: Callable[[RouterDelta], None] | None = None
 
     def deliver(self, item: _Item) -> None:
+        if self.on_delta is not None and isinstance(item, RouterDelta):
+            self.on_delta(item)
+            return
         self.put_nowait(item)
 
 
@@ -136,6 +142,7 @@ class SessionRouterTier(GrpcRouterTier):
     async def generate(
         self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
         resumed: int, timeout: float | None,
+        on_delta: Callable[[RouterDelta], None] | None = None,
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
         if timeout is not None and not math.isfinite(timeout):
             timeout = None
@@ -144,7 +151,7 @@ class SessionRouterTier(GrpcRouterTier):
             try:
                 # Closed with this generator, so leaving early aborts the request at once.
                 async with contextlib.aclosing(
-                    self._over_session(replica, request, resume_token_ids, resumed, timeout)
+                    self._over_session(replica, request, resume_token_ids, resumed, timeout, on_delta)
                 ) as events:
                     async for item in events:
                         yield item
@@ -157,12 +164,12 @@ class SessionRouterTier(GrpcRouterTier):
                     if timeout <= 0:
                         raise errors.DeadlineExceeded("router: deadline passed") from None
         async for item in super().generate(replica, request, resume_token_ids=resume_token_ids,
-                                           resumed=resumed, timeout=timeout):
+                                           resumed=resumed, timeout=timeout, on_delta=on_delta):
             yield item
 
     async def _over_session(
         self, replica: int, request: TokenGeneration, resume_token_ids: list[int], resumed: int,
-        timeout: float | None,
+        timeout: float | None, on_delta: Callable[[RouterDelta], None] | None,
     ) -> AsyncGenerator[RouterDelta | RouterFinal, None]:
         """One request over the replica's Session call; raises :class:`NoSession` when the
         replica turns out to have none."""
@@ -171,6 +178,7 @@ class SessionRouterTier(GrpcRouterTier):
         propagate.inject(carrier)  # the current span of this request
         link = self.link(replica)
         handle, queue = link.submit(message, timeout, carrier.get("traceparent", ""))
+        queue.on_delta = on_delta
         # The router enforces the deadline (and answers DEADLINE_EXCEEDED); this timer is
         # the guard for a router that stops answering without breaking the call.
         timer = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from opentelemetry import propagate
@@ -176,7 +176,10 @@ class GrpcRouterTier(_Replicas):
     async def generate(
         self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
         resumed: int, timeout: float | None,
+        on_delta: Callable[[RouterDelta], None] | None = None,
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
+        """One Generate call; its deltas are yielded (``on_delta`` is the protocol's
+        option, unused here: the call's reads wake this generator anyway)."""
         message = convert.router_generate_request(request, resume_token_ids, resumed)
         call = self.stubs[replica % self.replicas].Generate(message, timeout=timeout)
         try:

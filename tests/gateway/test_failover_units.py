@@ -56,7 +56,7 @@ class _Router:
 
     async def generate(
         self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
-        resumed: int, timeout: float | None,
+        resumed: int, timeout: float | None, on_delta: object = None,
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
         self.calls.append((replica, list(resume_token_ids), resumed))
         if self.error is not None:

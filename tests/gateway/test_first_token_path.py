@@ -107,7 +107,8 @@ class _Tiers:
 
     # router
     async def generate(self, replica: int, request: TokenGeneration, *, resume_token_ids: list[int],
-                       resumed: int, timeout: float | None) -> AsyncIterator[RouterDelta | RouterFinal]:
+                       resumed: int, timeout: float | None,
+                       on_delta: object = None) -> AsyncIterator[RouterDelta | RouterFinal]:
         self.log.append("router.generate")
         yield RouterDelta(token_ids=[7])
         yield RouterFinal(finish_reason="length")
