@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, LlmeshError, map_exception
+from services.common.generation import TokenLogprob
 from services.common.metrics import record_request
 
 FrameT = TypeVar("FrameT")
@@ -49,6 +50,22 @@ class Submission(Generic[RequestT]):
     timeout_s: float | None = None
     trace_context: Mapping[str, str] = field(default_factory=dict)
     """W3C trace context (``traceparent``) of the caller's span for this request."""
+
+
+@dataclass
+class FrameTokens:
+    """New tokens of one request in a frame: every delta it produced since the previous
+    frame was taken, merged. A frame is taken when its sender gets to it, so it may cover
+    several engine steps (or worker frames); merged, a frame names each request once, and
+    its logprobs (sent per request, by handle) stay in line with its token ids."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        self.token_ids.extend(token_ids)
+        if logprobs:
+            self.logprobs.extend(logprobs)
 
 
 class FramedSession(ABC, Generic[FrameT]):

@@ -30,7 +30,7 @@ from opentelemetry import propagate, trace
 
 from services.common import framing
 from services.common.errors import LlmeshError
-from services.common.generation import Delta, TokenLogprob
+from services.common.generation import Delta
 from services.common.tracing import tracer
 from services.router.core import Router, RouteRequest, RouterFinal
 
@@ -39,12 +39,8 @@ Submission = framing.Submission[RouteRequest | LlmeshError]
 (a missing field)."""
 
 
-@dataclass
-class FrameTokens:
-    """New tokens of one request in a frame (several deltas of one tick are merged)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+FrameTokens = framing.FrameTokens
+"""New tokens of one request in a frame (its deltas since the previous frame, merged)."""
 
 
 @dataclass
@@ -101,9 +97,7 @@ class RouterSession(framing.FramedSession[Frame]):
             tokens = self._frame.tokens.get(handle)
             if tokens is None:
                 tokens = self._frame.tokens[handle] = FrameTokens()
-            tokens.token_ids.extend(event.token_ids)
-            if event.logprobs:
-                tokens.logprobs.extend(event.logprobs)
+            tokens.add(event.token_ids, event.logprobs)
         else:
             self._frame.finals.append((handle, event))
         self._schedule()

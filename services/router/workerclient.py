@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import collections
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -84,6 +85,31 @@ def info_from_proto(info: worker_pb2.GetModelInfoResponse) -> WorkerInfo:
     )
 
 
+def frame_events(frame: worker_pb2.SessionResponse) -> Iterator[tuple[int, WorkerEvent]]:
+    """A worker Session frame split into per-request events: each handle's deltas in
+    order, then the finals and errors. A worker names each request once per frame; one
+    that names a request once per engine step (a frame covering several steps) sends as
+    many logprobs entries for it, which are taken in that order."""
+    # One list of the frame's token ids, sliced per request: plain ints, no per-token
+    # message objects.
+    token_ids = list(frame.token_ids)
+    logprobs: dict[int, collections.deque[Sequence[common_pb2.TokenLogprob]]] = {}
+    for entry in frame.logprobs:
+        logprobs.setdefault(entry.handle, collections.deque()).append(entry.logprobs)
+    offset = 0
+    for handle, count in zip(frame.handles, frame.token_counts, strict=True):
+        end = offset + count
+        entries = logprobs.get(handle)
+        yield handle, Delta(
+            token_ids[offset:end], logprobs_from_proto(entries.popleft()) if entries else None
+        )
+        offset = end
+    for final in frame.finals:
+        yield final.handle, final_from_proto(final.final)
+    for error in frame.errors:
+        yield error.handle, request_error(error.error)
+
+
 class GrpcSessionLink:
     """A worker Session call: submissions and aborts go out through a queue (one writer),
     frames come back in column layout and are split into per-request events."""
@@ -107,22 +133,8 @@ class GrpcSessionLink:
     async def events(self) -> AsyncIterator[tuple[int, WorkerEvent]]:
         try:
             async for frame in self._call:
-                # One list of the frame's token ids, sliced per request: plain ints, no
-                # per-token message objects.
-                token_ids = list(frame.token_ids)
-                logprobs = {entry.handle: entry.logprobs for entry in frame.logprobs}
-                offset = 0
-                for handle, count in zip(frame.handles, frame.token_counts, strict=True):
-                    end = offset + count
-                    entries = logprobs.get(handle)
-                    yield handle, Delta(
-                        token_ids[offset:end], None if entries is None else logprobs_from_proto(entries)
-                    )
-                    offset = end
-                for final in frame.finals:
-                    yield final.handle, final_from_proto(final.final)
-                for error in frame.errors:
-                    yield error.handle, request_error(error.error)
+                for event in frame_events(frame):
+                    yield event
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 

@@ -83,14 +83,14 @@ def submission_from_proto(sub: worker_pb2.SessionSubmit, adapter: str | Exceptio
 def frame_to_proto(frame: Frame) -> worker_pb2.SessionResponse:
     """One frame in column layout: handles, token counts and the token ids back to back
     (each column built as a list and handed to the message whole)."""
-    tokens = frame.tokens
+    tokens = frame.tokens.values()
     return worker_pb2.SessionResponse(
-        handles=[handle for handle, _, _ in tokens],
-        token_counts=[len(token_ids) for _, token_ids, _ in tokens],
-        token_ids=[token for _, token_ids, _ in tokens for token in token_ids],
+        handles=list(frame.tokens),
+        token_counts=[len(t.token_ids) for t in tokens],
+        token_ids=[token for t in tokens for token in t.token_ids],
         logprobs=[
-            worker_pb2.SessionLogprobs(handle=handle, logprobs=logprobs_to_proto(logprobs))
-            for handle, _, logprobs in tokens if logprobs is not None
+            worker_pb2.SessionLogprobs(handle=handle, logprobs=logprobs_to_proto(t.logprobs))
+            for handle, t in frame.tokens.items() if t.logprobs
         ],
         finals=[
             worker_pb2.SessionFinal(handle=handle, final=final_to_proto(final))

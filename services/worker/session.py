@@ -39,7 +39,7 @@ from services.common import framing
 from services.common.errors import DeadlineExceeded, LlmeshError, map_exception
 from services.common.tracing import tracer
 from services.worker.core import Delta, EngineRun, Failed, Final, WorkerCore
-from services.worker.engine import EngineRequest, TokenLogprob
+from services.worker.engine import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,16 @@ Submission = framing.Submission[EngineRequest | Failed]
 
 @dataclass
 class Frame:
-    """What one step produced for a session's requests (column layout on the wire)."""
+    """What the session's requests produced since the previous frame was taken: one engine
+    step, or several when the previous frame's write outlasted a step (column layout on the
+    wire)."""
 
-    tokens: list[tuple[int, list[int], list[TokenLogprob] | None]] = field(default_factory=list)
-    """(handle, new token ids, their logprobs when asked) per request with new tokens."""
+    tokens: dict[int, framing.FrameTokens] = field(default_factory=dict)
+    """Handle -> new tokens (and their logprobs when asked), in the order the handles first
+    produced some. One entry per request even when the frame covers several steps (taken
+    only after the previous frame's write, which may outlast a step): the wire carries a
+    request's logprobs by handle, so a handle named once per step would pair every token
+    of the frame with one step's logprobs."""
     finals: list[tuple[int, Final]] = field(default_factory=list)
     errors: list[tuple[int, Exception]] = field(default_factory=list)
 
@@ -98,7 +104,10 @@ class SessionRequest:
         """The run's consumer (called from the engine's step callback)."""
         session = self.session
         if isinstance(event, Delta):
-            session._frame.tokens.append((self.handle, event.token_ids, event.logprobs))
+            tokens = session._frame.tokens.get(self.handle)
+            if tokens is None:
+                tokens = session._frame.tokens[self.handle] = framing.FrameTokens()
+            tokens.add(event.token_ids, event.logprobs)
             session._schedule()
         elif isinstance(event, Final):
             annotate_final(self.span, event)

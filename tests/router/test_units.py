@@ -1,4 +1,5 @@
-"""Pure unit tests: circuit breaker, batching window adaptation, routing (admission: test_admission.py)."""
+"""Pure unit tests: circuit breaker, batching window adaptation, routing, worker frames
+(admission: test_admission.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections import Counter
 
 import pytest
 
-from services.common.generation import TokenRequest
+from llmesh.common.v1 import common_pb2
+from llmesh.worker.v1 import worker_pb2
+from services.common.generation import Delta, TokenRequest
 from services.router.batching import AdaptiveWindow, BatchDispatcher
 from services.router.breaker import Circuit, CircuitBreaker
 from services.router.health import WorkerMonitor
@@ -16,6 +19,7 @@ from services.router.registry import SERVING, ChecksumBook, Load, WorkerInfo, Wo
 from services.router.routing import Policy, ZoneLadder, choose, prefix_key
 from services.router.settings import RouterSettings
 from services.router.workerapi import WorkerCallError
+from services.router.workerclient import frame_events
 from tests.router.helpers import wait_for
 
 
@@ -387,3 +391,27 @@ async def test_a_worker_whose_load_stream_broke_is_not_called_silent() -> None:
     finally:
         await monitor.stop()
 
+
+# ---- worker session frames -------------------------------------------------------------
+
+
+def _logprobs(handle: int, *token_ids: int) -> worker_pb2.SessionLogprobs:
+    return worker_pb2.SessionLogprobs(handle=handle, logprobs=[
+        common_pb2.TokenLogprob(token_id=t, logprob=-0.25) for t in token_ids])
+
+
+def test_a_worker_frame_pairs_each_requests_tokens_with_their_own_logprobs() -> None:
+    """A frame that names a request once per engine step (as workers did when a frame
+    covered several steps) carries a logprobs entry per naming: each delta gets its own,
+    in order, not the last one for every naming. Requests without logprobs get None."""
+    frame = worker_pb2.SessionResponse(
+        handles=[7, 9, 7, 7], token_counts=[1, 2, 1, 2], token_ids=[1214, 5, 6, 60, 1248, 1038],
+        logprobs=[_logprobs(7, 1214), _logprobs(7, 60), _logprobs(7, 1248, 1038)],
+    )
+    events = list(frame_events(frame))
+    assert [handle for handle, _ in events] == [7, 9, 7, 7]
+    deltas = [event for _, event in events]
+    assert all(isinstance(d, Delta) for d in deltas)
+    assert [d.token_ids for d in deltas] == [[1214], [5, 6], [60], [1248, 1038]]  # type: ignore[union-attr]
+    got = [None if d.logprobs is None else [lp.token_id for lp in d.logprobs] for d in deltas]  # type: ignore[union-attr]
+    assert got == [[1214], None, [60], [1248, 1038]]

@@ -18,6 +18,7 @@ from opentelemetry.trace import StatusCode
 
 from llmesh.worker.v1 import worker_pb2
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.worker import convert
 from services.worker import session as session_module
 from services.worker.core import Final, WorkerCore, WorkerIdentity
 from services.worker.engine import (
@@ -188,7 +189,7 @@ class Collected:
             self.changed.set()
 
     def tokens(self, handle: int) -> list[int]:
-        return [t for f in self.frames for h, ids, _ in f.tokens if h == handle for t in ids]
+        return [t for f in self.frames if handle in f.tokens for t in f.tokens[handle].token_ids]
 
     def finals(self) -> dict[int, Final]:
         return {h: final for f in self.frames for h, final in f.finals}
@@ -231,10 +232,53 @@ async def test_each_frame_is_one_engine_step_with_every_running_requests_token(
         assert collected.tokens(h) == fake_greedy([5, h, h + 1], 12, model)
     token_frames = [f for f in collected.frames if f.tokens]
     for frame in token_frames:
-        counts = {h: len(ids) for h, ids, _ in frame.tokens}
+        counts = {h: len(t.token_ids) for h, t in frame.tokens.items()}
         assert sorted(counts) == list(range(1, 17)), counts
         assert len(set(counts.values())) == 1, counts
     assert len(token_frames) <= fake.steps == 12
+
+
+async def test_a_frame_over_several_steps_names_each_request_once_with_its_logprobs(
+    tiny_deepseek_dir: Path, model: FakeModel
+) -> None:
+    """A frame holds every step since the previous one was taken, so when a frame's write
+    outlasts a step (a busy box), the next one covers several steps. Each request is still
+    named once on the wire, with all its new tokens and their logprobs in step order. (Named
+    once per step, its logprobs entries shared one handle, and the router's reader paired
+    every token of the frame with the last step's logprobs: a unary reply's logprobs showed
+    a repeated token where the frame's earlier tokens were.)"""
+    fake, core = in_process(tiny_deepseek_dir, token_delay_ms=1)
+    three_steps = asyncio.Event()
+    engine_step = fake._step
+
+    def step() -> None:
+        engine_step()
+        if fake.steps >= 3:
+            three_steps.set()
+
+    fake._step = step  # type: ignore[method-assign]
+    session = WorkerSession(core)
+    prompts = {h: [5, h, h + 1] for h in (1, 2)}
+    for h, prompt in prompts.items():
+        session.submit(submission(h, prompt, max_tokens=8, ignore_eos=True, logprobs=1))
+    session.input_done()
+    # No frame is taken until three steps ran, as if the previous frame's write took that long.
+    await asyncio.wait_for(three_steps.wait(), 10)
+    tokens: dict[int, list[int]] = defaultdict(list)
+    logprob_ids: dict[int, list[int]] = defaultdict(list)
+    messages = [convert.frame_to_proto(frame) async for frame in session.frames()]
+    assert len(messages[0].token_ids) >= 2 * 3  # the first frame covers the three steps
+    for message in messages:
+        assert len(set(message.handles)) == len(message.handles), list(message.handles)
+        offset = 0
+        for handle, count in zip(message.handles, message.token_counts, strict=True):
+            tokens[handle] += message.token_ids[offset:offset + count]
+            offset += count
+        for entry in message.logprobs:
+            logprob_ids[entry.handle] += [lp.token_id for lp in entry.logprobs]
+    for h, prompt in prompts.items():
+        assert tokens[h] == fake_greedy(prompt, 8, model)
+        assert logprob_ids[h] == tokens[h]
 
 
 async def test_no_task_per_running_request(tiny_deepseek_dir: Path) -> None:
