@@ -649,7 +649,10 @@ class _Stream:
         )
         async for event in stream:
             if isinstance(event, RouterDelta):
-                self._on_tokens(event)
+                # Yielded (a Generate call): this task is awake anyway, so it writes.
+                self._take_tokens(event)
+                async with self.lock:
+                    await self._send_pending()
             else:
                 async with self.lock:
                     await self._send_pending()  # every token before the end
@@ -741,13 +744,16 @@ class _Stream:
         """The router's tokens, on to the postprocessor; runs inside the router link's
         frame reader (or this request's attempt): never raises."""
         try:
-            self.tokens.extend(delta.token_ids)
-            if self.want_tokens:
-                self.pending_ids.extend(delta.token_ids)
-                self.pending_logprobs.extend(delta.logprobs)
+            self._take_tokens(delta)
             self._forward()
         except Exception as exc:
             self.events.put_nowait(("error", _unexpected("router", exc), 0))
+
+    def _take_tokens(self, delta: RouterDelta) -> None:
+        self.tokens.extend(delta.token_ids)
+        if self.want_tokens:
+            self.pending_ids.extend(delta.token_ids)
+            self.pending_logprobs.extend(delta.logprobs)
 
     def _on_text(self, gen: int, delta: PostDelta) -> None:
         """Text released by the postprocessor, held for the next delta; wakes the pump only
