@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from gateway.settings import GatewaySettings
+from services.common import eventloop
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.processes import run_processes
@@ -33,7 +33,7 @@ def _serve(settings: GatewaySettings) -> int:
     setup_tracing(settings.service_name or "llmesh-gateway")
     start_metrics_server(settings.metrics_port, settings.host)
     try:
-        asyncio.run(__import__("gateway.server", fromlist=["serve"]).serve(settings))
+        eventloop.run(__import__("gateway.server", fromlist=["serve"]).serve(settings), settings.event_loop)
     finally:
         shutdown_tracing()
     return 0

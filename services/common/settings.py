@@ -13,7 +13,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -74,6 +74,9 @@ class ServerSettings(BaseSettings):
     """Processes serving this tier's port together (SO_REUSEPORT), forked by a supervisor
     that forwards SIGTERM and restarts nothing; each serves /metrics on --metrics-port +
     its index. Gateway, tokenizer and postprocessor only (services/common/processes.py)."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """Event loop of the process: uvloop (the loop vLLM's own server runs on; less CPU per
+    message) or asyncio (the standard library's). Without uvloop installed: asyncio."""
     log_level: str = "INFO"
     """Log level (DEBUG, INFO, WARNING, ERROR). Prompt and output text never log at INFO."""
     log_format: str = "json"

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from pydantic import ValidationError
 
+from services.common import eventloop
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.processes import run_processes
@@ -44,7 +44,7 @@ def _serve(settings: PostprocessorSettings) -> int:
     from services.postprocessor.server import serve
 
     try:
-        asyncio.run(serve(settings))
+        eventloop.run(serve(settings), settings.event_loop)
     except ModelLoadError as exc:
         print(f"llmesh postprocessor: error: {exc}", file=sys.stderr)
         return 1

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
 
+from services.common import eventloop
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.settings import add_settings_arguments, settings_from_args
@@ -41,5 +41,5 @@ def main(argv: list[str] | None = None) -> int:
     from services.router.server import serve
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings))
+        eventloop.run(serve(settings), settings.event_loop)
     return 0

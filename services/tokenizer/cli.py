@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
+from services.common import eventloop
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.processes import run_processes
@@ -41,7 +41,7 @@ def _serve(settings: TokenizerSettings) -> int:
     from services.tokenizer.server import serve
 
     try:
-        asyncio.run(serve(settings))
+        eventloop.run(serve(settings), settings.event_loop)
     except ModelLoadError as exc:
         print(f"llmesh tokenizer: error: {exc}", file=sys.stderr)
         return 1

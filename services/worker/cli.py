@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 
+from services.common import eventloop
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.settings import add_settings_arguments, settings_from_args
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.server import serve
 
     try:
-        return asyncio.run(serve(settings))
+        return eventloop.run(serve(settings), settings.event_loop)
     except KeyboardInterrupt:
         return 130
 

@@ -42,7 +42,9 @@ def test_process_serves_and_stops_cleanly(tiny_deepseek_dir, tmp_path):
         assert f'llmesh_tokenizer_inputs_total{{kind="prompt",model="{TINY}"}}' in body
     finally:
         code = proc.stop()
-    assert code == 0, (tmp_path / "tokenizer.log").read_text()
+    log = (tmp_path / "tokenizer.log").read_text()
+    assert code == 0, log
+    assert "event loop: uvloop" in log  # the default of every tier
 
 
 def test_cpu_tiers_import_neither_torch_nor_transformers():
