@@ -77,6 +77,34 @@ async def test_greedy_stream_equals_unary(engine_channel):
     assert final.usage.completion_tokens == unary.usage.completion_tokens
 
 
+async def test_a_coalesced_stream_is_the_interval_one_text_real_engine(engine_channel):
+    """Stream interval 8 over vLLM: the same greedy text and token ids as interval 1, in
+    deltas of several tokens (the bound lifted so only the interval groups them)."""
+    s = stub(engine_channel)
+    sampling = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True, "logprobs": 0}
+
+    async def run(options):  # type: ignore[no-untyped-def]
+        req = stream_request(messages=PARIS, sampling=sampling)
+        if options:
+            req.stream_options.CopyFrom(inference_pb2.StreamOptions(**options))
+        deltas, final = [], None
+        async for item in s.GenerateStream(req, timeout=120):
+            if item.HasField("delta"):
+                deltas.append(item.delta)
+            else:
+                final = item.final
+        assert final is not None
+        return deltas, final
+
+    base, base_final = await run(None)
+    paced, paced_final = await run({"interval": 8, "max_delay_ms": 60000})
+    assert "".join(d.text for d in paced).encode() == "".join(d.text for d in base).encode()
+    ids = [i for d in base for i in d.token_ids] + list(base_final.token_ids)
+    assert [i for d in paced for i in d.token_ids] + list(paced_final.token_ids) == ids
+    assert len(ids) == 48 and paced_final.usage.completion_tokens == 48
+    assert len(paced) <= 2 + 48 // 8 < len(base)
+
+
 async def test_unset_temperature_is_the_gateways_default_greedy(engine_channel):
     """A caller that sets no sampling gets the same answer every time (default_temperature 0)."""
     s = stub(engine_channel)
