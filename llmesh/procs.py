@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,9 +18,36 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+_LOWEST_PORT = 10_000
+_handed_out: set[int] = set()
+"""Ports this process already handed out: never twice."""
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's ephemeral range (the local ports of outgoing connections) starts."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind-then-close)."""
+    """A port that was free a moment ago (bind-then-close), below the kernel's ephemeral
+    range: a port the kernel picked for us (bind to 0) comes from that range, where any
+    outgoing connection made before our server binds it may take it as its local port."""
+    top = _ephemeral_start()
+    rng = random.SystemRandom()
+    for _ in range(200) if top - _LOWEST_PORT > 1_000 else ():
+        port = rng.randrange(_LOWEST_PORT, top)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

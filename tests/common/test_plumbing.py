@@ -241,3 +241,19 @@ async def test_health_watch_streams_through_the_interceptors(running):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         break
     call.cancel()
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    """A port for a tier to bind later is never one an outgoing connection may take as its
+    local port meanwhile (the kernel's ephemeral range), nor one handed out before."""
+    import socket
+    from pathlib import Path
+
+    from llmesh.procs import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 < port < low for port in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))
