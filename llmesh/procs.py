@@ -36,8 +36,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     range: a port the kernel picked for us (bind to 0) comes from that range, where any
     outgoing connection made before our server binds it may take it as its local port."""
     top = _ephemeral_start()
+    attempts = 200 if top - _LOWEST_PORT > 1_000 else 0  # else too few ports below it
     rng = random.SystemRandom()
-    for _ in range(200) if top - _LOWEST_PORT > 1_000 else ():
+    for _ in range(attempts):
         port = rng.randrange(_LOWEST_PORT, top)
         if port in _handed_out:
             continue
