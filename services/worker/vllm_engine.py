@@ -5,11 +5,14 @@ Token ids in, token-id deltas out: ``detokenize=False`` and ``RequestOutputKind.
 Load comes from a stat logger that keeps the scheduler's latest ``SchedulerStats`` (no
 engine round trip, so polling every 100 ms costs nothing).
 
-:meth:`VllmEngine.start` delivers outputs per engine step from vLLM's own output handler,
-through a sink object put in place of the request's ``RequestOutputCollector``; the vLLM
-internals that relies on are listed (and checked at start) in :func:`check_vllm_internals`
-and pinned by ``tests/worker/test_vllm_steps.py``; services/worker/README.md says why this
-design and not a reader of the engine core's outputs.
+:meth:`VllmEngine.start` delivers outputs per engine step from vLLM's own output handler:
+the engine core's ``EngineCoreOutput`` of each step goes straight to the request's sink
+(:meth:`VllmEngine._process_outputs` stands in for vLLM's output processor, which would
+build a ``RequestOutput`` per request and token), and a sink object put in place of each
+request's ``RequestOutputCollector`` takes what vLLM hands it otherwise (an abort's final,
+the output handler's failure). The vLLM internals this relies on are listed (and checked at
+start) in :func:`check_vllm_internals` and pinned by ``tests/worker/test_vllm_steps.py``;
+services/worker/README.md has the measurements behind the design.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+from vllm.v1.engine.output_processor import OutputProcessorOutput
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 log = logging.getLogger(__name__)
@@ -133,6 +137,14 @@ class VllmEngine:
         """Requests started through :meth:`start` that have not had their final, by vLLM's
         internal request id."""
         check_vllm_internals(llm)
+        processor = llm.output_processor
+        self._vllm_process_outputs = processor.process_outputs
+        self._read_steps = not processor.tracing_enabled
+        if self._read_steps:
+            # Every engine step of the requests started here is read straight from the
+            # engine core's outputs (see _process_outputs); vLLM's own OpenTelemetry
+            # tracing of requests needs its path, so it keeps it.
+            processor.process_outputs = self._process_outputs  # type: ignore[method-assign,assignment]
         model_config = llm.model_config
         eos: tuple[int, ...] = ()
         try:
@@ -194,10 +206,11 @@ class VllmEngine:
 
     async def start(self, request: EngineRequest, sink: OutputSink) -> None:
         """Register the request with ``AsyncLLM.add_request``, then put a :class:`_StepSink`
-        where vLLM's output handler puts this request's outputs (its ``RequestState.queue``),
-        so every request of an engine step reaches its sink inside the output handler's
-        ``process_outputs`` call: no task, queue or generator per request (see
-        :func:`check_vllm_internals` for what this relies on)."""
+        in its place: in :attr:`_live` (read by :meth:`_process_outputs`, so every request
+        of an engine step reaches its sink inside one output-handler call) and as its
+        ``RequestState.queue`` (where vLLM puts an abort's final or its own failure). No
+        task, queue or generator per request (see :func:`check_vllm_internals` for what
+        this relies on)."""
         params, prompt, lora, priority = self._submission(request)
         try:
             collector = await self.llm.add_request(
@@ -236,6 +249,49 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
+
+    def _process_outputs(self, outputs: list[Any], engine_core_timestamp: float | None = None,
+                         iteration_stats: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Stands in for ``OutputProcessor.process_outputs`` inside vLLM's output handler,
+        once per engine step (or chunk of one).
+
+        The requests started here need none of what vLLM's output processor builds per
+        token (no detokenization: stop strings are the postprocessor's; no cumulative
+        logprob dicts; no ``RequestOutput``): their ``EngineCoreOutput`` goes to its sink
+        as an :class:`EngineOutput` at once. What vLLM keeps per request still happens
+        here: its iteration and request stats (the load figures and vLLM's own metrics
+        come from them), the cached-token count of the first step, and freeing the
+        request's state when the engine core finishes it. Any other request (those of
+        :meth:`generate`, or ones that finished meanwhile) goes through vLLM's own
+        ``process_outputs``."""
+        live = self._live
+        if not live:
+            return self._vllm_process_outputs(outputs, engine_core_timestamp, iteration_stats,
+                                              *args, **kwargs)
+        processor = self.llm.output_processor
+        states = processor.request_states
+        rest: list[Any] = []
+        for out in outputs:
+            step_sink = live.get(out.request_id)
+            state = states.get(out.request_id) if step_sink is not None else None
+            if state is None or step_sink is None or out.pooling_output is not None:
+                rest.append(out)
+                continue
+            if iteration_stats is not None:
+                processor._update_stats_from_output(state, out, engine_core_timestamp, iteration_stats)
+            if state.is_prefilling:
+                if out.prefill_stats is not None:
+                    state.num_cached_tokens = out.prefill_stats.num_cached_tokens
+                state.is_prefilling = False
+            finish = out.finish_reason
+            if finish is not None:
+                processor._finish_request(state)
+                if iteration_stats is not None:
+                    processor._update_stats_from_finished(state, finish, iteration_stats)
+            step_sink.step(out, state)
+        if rest:
+            return self._vllm_process_outputs(rest, engine_core_timestamp, iteration_stats, *args, **kwargs)
+        return OutputProcessorOutput(request_outputs=[], reqs_to_abort=[])
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
@@ -306,8 +362,10 @@ class VllmEngine:
 
 
 class _OutputConverter:
-    """One request's vLLM ``RequestOutput`` deltas as :class:`EngineOutput`: the forced
-    replay steps at the start are dropped (an earlier attempt delivered them)."""
+    """One request's vLLM outputs as :class:`EngineOutput` deltas: ``RequestOutput``s
+    (:meth:`convert`) or the engine core's own per-step ``EngineCoreOutput``
+    (:meth:`convert_step`). The forced replay steps at the start are dropped (an earlier
+    attempt delivered them)."""
 
     __slots__ = ("n_logprobs", "prompt_len", "to_skip")
 
@@ -318,7 +376,14 @@ class _OutputConverter:
 
     def convert(self, out: Any) -> EngineOutput | None:
         """The delta to emit, or None when nothing is left of it (all replayed tokens)."""
-        converted = _convert_output(out, self.n_logprobs, self.prompt_len)
+        return self._unreplayed(_convert_output(out, self.n_logprobs, self.prompt_len))
+
+    def convert_step(self, out: Any, state: Any) -> EngineOutput | None:
+        """:meth:`convert` for an ``EngineCoreOutput`` of the request whose vLLM
+        ``RequestState`` is ``state`` (its stats and cached-token count)."""
+        return self._unreplayed(_convert_step(out, state, self.n_logprobs, self.prompt_len))
+
+    def _unreplayed(self, converted: EngineOutput) -> EngineOutput | None:
         if self.to_skip:
             skip = min(self.to_skip, len(converted.token_ids))
             self.to_skip -= skip
@@ -364,6 +429,18 @@ class _StepSink:
             return
         self._deliver(converted)
 
+    def step(self, out: Any, state: Any) -> None:
+        """One engine step's ``EngineCoreOutput`` of this request (``VllmEngine._process_outputs``)."""
+        if self.done:
+            return
+        converted = self.converter.convert_step(out, state)
+        if converted is None:
+            return
+        if converted.finish_reason is not None:
+            self.end(converted)
+            return
+        self._deliver(converted)
+
     def end(self, last: EngineOutput | Exception) -> None:
         """Pass on the request's last item (a final or an exception)."""
         self.done = True
@@ -400,11 +477,40 @@ def check_vllm_internals(llm: Any) -> None:
     * ``AsyncLLM.output_processor.request_states`` maps that internal id to a
       ``RequestState`` whose ``queue`` attribute is where the output handler, abort and
       error propagation ``put`` the request's outputs (only ``put``: pinned by
-      ``tests/worker/test_vllm_steps.py`` on vLLM's source).
+      ``tests/worker/test_vllm_steps.py`` on vLLM's source);
+    * the output handler calls ``output_processor.process_outputs(outputs,
+      engine_core_timestamp, iteration_stats, ...)`` through the instance, so
+      :meth:`VllmEngine._process_outputs` can stand in for it; it uses the processor's
+      ``_update_stats_from_output``, ``_update_stats_from_finished`` and
+      ``_finish_request``, the ``RequestState``'s ``is_prefilling``,
+      ``num_cached_tokens`` and ``stats`` (``queued_ts``, ``scheduled_ts``,
+      ``first_token_latency``), and the ``EngineCoreOutput`` / ``LogprobsLists`` fields
+      named below.
     """
-    from vllm.v1.engine.output_processor import RequestOutputCollector, RequestState
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestState
+    from vllm.v1.metrics.stats import RequestStateStats
+    from vllm.v1.outputs import LogprobsLists
 
     missing: list[str] = []
+    handler_params = list(inspect.signature(OutputProcessor.process_outputs).parameters)
+    if handler_params[1:4] != ["engine_core_outputs", "engine_core_timestamp", "iteration_stats"]:
+        missing.append("OutputProcessor.process_outputs(engine_core_outputs, engine_core_timestamp, "
+                       "iteration_stats)")
+    missing += [f"OutputProcessor.{name}" for name in
+                ("_update_stats_from_output", "_update_stats_from_finished", "_finish_request")
+                if not callable(getattr(OutputProcessor, name, None))]
+    init_source = inspect.getsource(RequestState.__init__)
+    missing += [f"RequestState.{name}" for name in ("is_prefilling", "num_cached_tokens", "stats")
+                if f"self.{name} =" not in init_source and f"self.{name}:" not in init_source]
+    stat_fields = {f.name for f in dataclasses.fields(RequestStateStats)}
+    missing += [f"RequestStateStats.{name}" for name in ("queued_ts", "scheduled_ts", "first_token_latency")
+                if name not in stat_fields]
+    missing += [f"EngineCoreOutput.{name}" for name in
+                ("request_id", "new_token_ids", "new_logprobs", "pooling_output", "finish_reason",
+                 "stop_reason", "prefill_stats") if name not in EngineCoreOutput.__struct_fields__]
+    missing += [f"LogprobsLists.{name}" for name in ("logprob_token_ids", "logprobs")
+                if name not in LogprobsLists._fields]
     params = inspect.signature(llm.add_request).parameters
     missing += [f"AsyncLLM.add_request({name}=)" for name in
                 ("request_id", "prompt", "params", "lora_request", "priority") if name not in params]
@@ -494,6 +600,56 @@ def _convert_output(out: Any, n_logprobs: int | None, prompt_len: int) -> Engine
         stop_token_id=stop_token_id,
         prompt_tokens=prompt_len,
         cached_tokens=int(out.num_cached_tokens or 0),
+        queue_ms=queue_ms,
+        ttft_ms=ttft_ms,
+    )
+
+
+def _step_logprobs(lists: Any, token_ids: list[int], n_logprobs: int) -> list[TokenLogprob]:
+    """The engine core's ``LogprobsLists`` of one request's step: per position a row of
+    token ids and logprobs, the sampled token's first, then the top ones by rank (as
+    many as the batch's largest request asked for; this request takes its own)."""
+    rows_ids = lists.logprob_token_ids.tolist()
+    rows_lps = lists.logprobs.tolist()
+    out: list[TokenLogprob] = []
+    for token, ids, lps in zip(token_ids, rows_ids, rows_lps, strict=False):
+        n = len(ids) - 1 if n_logprobs < 0 else n_logprobs
+        out.append(TokenLogprob(token_id=token, logprob=float(lps[0]),
+                                top=tuple(zip(ids[1:n + 1], lps[1:n + 1], strict=False))))
+    return out
+
+
+def _convert_step(out: Any, state: Any, n_logprobs: int | None, prompt_len: int) -> EngineOutput:
+    """:func:`_convert_output` for an ``EngineCoreOutput`` (its ``RequestState`` holds
+    the request's stats and cached-token count)."""
+    token_ids = list(out.new_token_ids)
+    logprobs = None
+    if n_logprobs is not None and out.new_logprobs is not None:
+        logprobs = _step_logprobs(out.new_logprobs, token_ids, n_logprobs)
+    finish: FinishReason | None = None
+    stop_token_id: int | None = None
+    queue_ms = ttft_ms = None
+    reason = out.finish_reason
+    if reason is not None:
+        finish = _FINISH.get(str(reason), FinishReason.ERROR)
+        if finish is FinishReason.STOP:
+            if isinstance(out.stop_reason, int):
+                stop_token_id = out.stop_reason
+            elif token_ids:  # EOS: the last generated token
+                stop_token_id = token_ids[-1]
+        stats = state.stats
+        if stats is not None:
+            if stats.queued_ts and stats.scheduled_ts >= stats.queued_ts:
+                queue_ms = (stats.scheduled_ts - stats.queued_ts) * 1000.0
+            if stats.first_token_latency:
+                ttft_ms = stats.first_token_latency * 1000.0
+    return EngineOutput(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        stop_token_id=stop_token_id,
+        prompt_tokens=prompt_len,
+        cached_tokens=int(state.num_cached_tokens or 0),
         queue_ms=queue_ms,
         ttft_ms=ttft_ms,
     )

@@ -424,6 +424,60 @@ async def test_logprobs(counted: Counted) -> None:
 
 
 @pytest.mark.engine
+async def test_started_requests_skip_vllms_output_processor(counted: Counted,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step of a started request goes from the engine core's output to its sink
+    without vLLM's output processor building a ``RequestOutput``: at most an output that
+    landed before ``start`` took the request's place goes that way. (A request of
+    ``generate`` does, every step.)"""
+    engine = counted.engine
+    built: list[str] = []
+    make = vllm_output_processor.RequestState.make_request_output
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append(self.external_req_id)
+        return make(self, *args, **kwargs)
+
+    monkeypatch.setattr(vllm_output_processor.RequestState, "make_request_output", spy)
+    requests = [greedy(f"skip-{i}", p, 10, ignore_eos=True) for i, p in enumerate(PROMPTS[:4])]
+    recorders = await via_start(counted, requests)
+    assert [len(r.tokens) for r in recorders] == [10] * 4
+    assert len(built) <= len(requests), built
+    (generated,) = await via_generate(engine, [greedy("skip-g", PROMPTS[4], 10, ignore_eos=True)])
+    assert len(tokens_of(generated)) == 10 and built.count("skip-g") >= 5, built
+    await wait_engine_idle(engine)
+
+
+@pytest.mark.engine
+async def test_each_request_of_a_step_gets_its_own_logprobs_beside_vllms_own_path(counted: Counted) -> None:
+    """One batch: started requests asking for 1 and 3 top logprobs (the engine core's rows
+    are as wide as the largest request's) and one without, beside a request of
+    ``generate`` (vLLM's own output path) asking for 2; each gets what it asked for."""
+    engine = counted.engine
+    started = [greedy("lp-1", PROMPTS[0], 6, ignore_eos=True, logprobs=1),
+               greedy("lp-3", PROMPTS[1], 6, ignore_eos=True, logprobs=3),
+               greedy("lp-none", PROMPTS[2], 6, ignore_eos=True)]
+    generated, recorders = await asyncio.gather(
+        via_generate(engine, [greedy("lp-g2", PROMPTS[3], 6, ignore_eos=True, logprobs=2)]),
+        via_start(counted, started),
+    )
+    for recorder, width in zip(recorders, (1, 3, None), strict=True):
+        lps = [lp for out in recorder.outputs for lp in (out.logprobs or [])]
+        assert len(recorder.tokens) == 6
+        if width is None:
+            assert not lps
+            continue
+        assert [lp.token_id for lp in lps] == recorder.tokens
+        assert all(len(lp.top) == width and lp.logprob <= 0 for lp in lps)
+        # Greedy: the sampled token is the most likely one.
+        assert all(lp.top[0][0] == lp.token_id and math.isclose(lp.top[0][1], lp.logprob, abs_tol=1e-4)
+                   for lp in lps)
+    theirs = [lp for out in generated[0] for lp in (out.logprobs or [])]
+    assert len(tokens_of(generated[0])) == 6 and all(len(lp.top) == 2 for lp in theirs)
+    await wait_engine_idle(engine)
+
+
+@pytest.mark.engine
 async def test_abort_delivers_an_abort_final_and_frees_the_request(counted: Counted) -> None:
     engine = counted.engine
     running = Recorder(counted.calls)

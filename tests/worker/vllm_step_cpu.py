@@ -5,23 +5,19 @@ Usage (one real engine; run it under the shared lock):
 
 Builds one engine (tiny DeepSeek by default) in this process and runs rounds of
 ``--waves`` x ``--concurrency`` requests (random prompts, greedy, ``ignore_eos``,
-``--max-tokens`` each), alternating the two ways of feeding a sink:
+``--max-tokens`` each), alternating three ways of feeding a sink:
 
-* ``bridged``: what ``start`` did before (``start_from_generator`` over ``generate``: a
-  task per request draining ``AsyncLLM.generate``, which awaits vLLM's per-request
-  collector);
-* ``native``: ``VllmEngine.start`` (vLLM's output handler calls each request's sink
-  from ``process_outputs``);
-* ``native_no_envs_cache``: the same with vLLM's env cache off, as it was before
-  ``VllmEngine.build`` turned it on.
+* ``bridged``: a task per request draining ``AsyncLLM.generate``, which awaits vLLM's
+  per-request collector (what ``start`` did first);
+* ``collector``: ``VllmEngine.start`` with vLLM's own ``OutputProcessor.process_outputs``
+  (a ``RequestOutput`` per request and step, put into the sink that replaced the
+  request's collector: what ``start`` did next);
+* ``native``: ``VllmEngine.start`` as it is (``VllmEngine._process_outputs`` turns the
+  engine core's ``EngineCoreOutput``s into the sinks' outputs directly).
 
 The figure is this process's utime + stime (``/proc/self/stat``: every thread of the
 frontend; the engine core is another process and is not counted) per output token.
-A last ``probe`` round runs native with ``OutputProcessor.process_outputs`` timed (thread
-CPU; of which the adapter's ``_StepSink.put``, i.e. conversion and the sink) and, on the
-same ``EngineCoreOutput`` lists, a minimal direct conversion of the kind a
-reader of the engine core's outputs (no OutputProcessor) would still need: what bypassing
-vLLM's output processor could save at most. Prints one JSON object.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -81,52 +77,6 @@ async def run_round(engine: Any, mode: str, prompts: list[list[int]], waves: int
             "tok_s": round(tokens / wall, 1)}
 
 
-def install_probe(engine: Any) -> dict[str, float]:
-    """Time process_outputs and a direct conversion of the same outputs (thread CPU)."""
-    from services.worker.engine import EngineOutput, FinishReason
-
-    processor = engine.llm.output_processor
-    original = processor.process_outputs
-    totals = {"process_outputs_s": 0.0, "direct_s": 0.0, "outputs": 0}
-    finish = {0: FinishReason.STOP, 1: FinishReason.LENGTH, 2: FinishReason.ABORT, 3: FinishReason.ERROR}
-    table: dict[str, Any] = {}  # a reader of EngineCoreOutputs would keep its own requests
-
-    def direct(outputs: list[Any]) -> None:
-        for o in outputs:
-            table.get(o.request_id)
-            reason = o.finish_reason
-            stop = o.stop_reason
-            EngineOutput(list(o.new_token_ids), None,
-                         finish.get(int(reason)) if reason is not None else None,
-                         stop if isinstance(stop, int) else None, 0, 0)
-
-    def probed(outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        t0 = time.thread_time()
-        direct(outputs)
-        t1 = time.thread_time()
-        result = original(outputs, *args, **kwargs)
-        t2 = time.thread_time()
-        totals["direct_s"] += t1 - t0
-        totals["process_outputs_s"] += t2 - t1
-        totals["outputs"] += len(outputs)
-        return result
-
-    processor.process_outputs = probed
-
-    from services.worker import vllm_engine
-
-    put = vllm_engine._StepSink.put
-    totals["sink_put_s"] = 0.0
-
-    def timed_put(self: Any, output: Any) -> None:
-        t0 = time.thread_time()
-        put(self, output)
-        totals["sink_put_s"] += time.thread_time() - t0
-
-    vllm_engine._StepSink.put = timed_put  # type: ignore[method-assign]
-    return totals
-
-
 async def main(model_dir: Path, concurrency: int, waves: int, max_tokens: int,
                repeats: int) -> dict[str, Any]:
     from services.worker.vllm_engine import VllmEngine
@@ -136,24 +86,22 @@ async def main(model_dir: Path, concurrency: int, waves: int, max_tokens: int,
     rng = random.Random(0)
     vocab = engine.info.vocab_size
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(32)] for _ in range(concurrency)]
+    processor = engine.llm.output_processor
+    step_reader = processor.process_outputs
     try:
         await run_round(engine, "native", prompts[:2], 1, 8, "warm-n")
         await run_round(engine, "bridged", prompts[:2], 1, 8, "warm-b")
-        from vllm import envs as vllm_envs
-
-        rounds: dict[str, list[dict[str, float]]] = {"bridged": [], "native": [], "native_no_envs_cache": []}
+        rounds: dict[str, list[dict[str, float]]] = {"bridged": [], "collector": [], "native": []}
         for r in range(repeats):
             order = list(rounds) if r % 2 == 0 else list(reversed(rounds))
             for mode in order:
-                if mode == "native_no_envs_cache":  # as before VllmEngine.build turned it on
-                    vllm_envs.disable_envs_cache()
-                result = await run_round(engine, mode.split("_", 1)[0], prompts, waves, max_tokens,
-                                         f"{mode}{r}")
-                vllm_envs.enable_envs_cache()
+                if mode == "collector":
+                    processor.process_outputs = engine._vllm_process_outputs  # type: ignore[method-assign]
+                result = await run_round(engine, "bridged" if mode == "bridged" else "start", prompts,
+                                         waves, max_tokens, f"{mode}{r}")
+                processor.process_outputs = step_reader  # type: ignore[method-assign]
                 rounds[mode].append(result)
                 print(json.dumps({"round": r, "mode": mode, **result}), file=sys.stderr, flush=True)
-        probe = install_probe(engine)
-        probed = await run_round(engine, "native", prompts, waves, max_tokens, "probe")
     finally:
         await engine.shutdown()
     summary: dict[str, Any] = {"model": model_dir.name, "concurrency": concurrency, "waves": waves,
@@ -164,19 +112,11 @@ async def main(model_dir: Path, concurrency: int, waves: int, max_tokens: int,
                          "spread": round(max(values) - min(values), 1), "tok_s": [r["tok_s"] for r in rs]}
     # Each repeat ran every mode back to back: the ratio within a repeat is what compares
     # (the host is shared; absolute figures drift between runs).
-    for mode in ("native", "native_no_envs_cache"):
+    for mode, base in (("native", "collector"), ("native", "bridged"), ("collector", "bridged")):
         ratios = [n["cpu_us_per_token"] / b["cpu_us_per_token"]
-                  for n, b in zip(rounds[mode], rounds["bridged"], strict=True)]
-        summary[f"{mode}_over_bridged"] = {"per_repeat": [round(x, 3) for x in ratios],
-                                           "median": round(statistics.median(ratios), 3)}
-    tokens = probed["tokens"]
-    summary["probe"] = {
-        **probed,
-        "process_outputs_us_per_token": round(probe["process_outputs_s"] / tokens * 1e6, 1),
-        "direct_conversion_us_per_token": round(probe["direct_s"] / tokens * 1e6, 1),
-        "of_which_adapter_sink_put_us_per_token": round(probe["sink_put_s"] / tokens * 1e6, 1),
-        "outputs_per_token": round(probe["outputs"] / tokens, 3),
-    }
+                  for n, b in zip(rounds[mode], rounds[base], strict=True)]
+        summary[f"{mode}_over_{base}"] = {"per_repeat": [round(x, 3) for x in ratios],
+                                          "median": round(statistics.median(ratios), 3)}
     return summary
 
 
