@@ -13,7 +13,7 @@ import math
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -222,6 +222,17 @@ def _llmesh_extra(c: Completion) -> dict[str, Any]:
                        "total_ms": c.timing.total_ms}}
 
 
+_TEXT_MARK = "\u2063llmesh-text\u2063"
+"""Stands for a delta's text in the event template (json.dumps keeps it one string)."""
+
+
+def _delta_event_parts(template: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The SSE event of ``template`` split around its :data:`_TEXT_MARK` string: the
+    bytes before the text's JSON string and after it."""
+    head, tail = f"data: {json.dumps(template)}\n\n".split(json.dumps(_TEXT_MARK))
+    return head.encode(), tail.encode()
+
+
 def _authenticate(request: web.Request) -> Tenant:
     return request.app[CORE_KEY].authenticate(
         request.headers.get("Authorization"), peer=request.remote or "", surface="http"
@@ -296,17 +307,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             choice["text"] = delta
         return {"id": oid, "object": chunk_name, "created": created, "model": model, "choices": [choice]}
 
-    async def all_items() -> AsyncIterator[TextDelta | Completion]:
-        yield first
-        async for item in items:
-            yield item
+    # A text delta's event is the same bytes as send(chunk(...)) but for its text: only
+    # the text is encoded per delta.
+    head, tail = _delta_event_parts(chunk({"content": _TEXT_MARK} if chat else _TEXT_MARK, None))
 
     try:
         if chat:
             await send(chunk({"role": "assistant", "content": ""}, None))
-        async for item in all_items():
+        item = first
+        while True:
             if isinstance(item, TextDelta):
-                await send(chunk({"content": item.text} if chat else item.text, None))
+                await response.write(head + json.dumps(item.text).encode() + tail)
             else:
                 model = item.model
                 finish = _OPENAI_FINISH.get(item.finish_reason, "stop")
@@ -314,6 +325,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 if include_usage:
                     await send({"id": oid, "object": chunk_name, "created": created, "model": model,
                                 "choices": [], "usage": _usage(item)})
+            try:
+                item = await items.__anext__()
+            except StopAsyncIteration:
+                break
     except ConnectionResetError:
         # The client went away; closing the stream below aborts the generation downstream.
         log.info("HTTP client closed stream %s", rid)

@@ -1,10 +1,14 @@
-"""The one table from domain errors to HTTP status and OpenAI's error shape (no server)."""
+"""The one table from domain errors to HTTP status and OpenAI's error shape, and the
+streamed chunk's encoding (no server)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
-from gateway.http import error_body, openai_param
+from gateway.http import _TEXT_MARK, _delta_event_parts, error_body, openai_param
 from services.common.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -64,3 +68,19 @@ def test_fields_are_named_as_the_json_body_names_them() -> None:
     _, body, _ = error_body(many, {"top_p": 5, "min_tokens": 9, "max_tokens": 3})
     assert body["error"]["param"] == "top_p"
     assert body["error"]["message"] == "top_p: must be in (0, 1]; min_tokens: must not exceed max_tokens"
+
+
+@pytest.mark.parametrize("text", ["plain", 'quote " and \\ backslash', "line\nbreak\ttab", "中文 🙂 é",
+                                  "\u2063llmesh-text\u2063", "", "\x00\x1f</script>"])
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_text_delta_event_is_the_chunk_as_json(text: str, chat: bool) -> None:
+    """The streamed delta is written from a template split around its text: byte for
+    byte what encoding the whole chunk would give, whatever the text holds."""
+    def chunk(value: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
+        choice["delta" if chat else "text"] = {"content": value} if chat else value
+        return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [choice]}
+
+    head, tail = _delta_event_parts(chunk(_TEXT_MARK))
+    assert head + json.dumps(text).encode() + tail == f"data: {json.dumps(chunk(text))}\n\n".encode()
