@@ -120,6 +120,64 @@ def test_step_sink_contract_without_an_engine() -> None:
     step_sink(EngineRequest("r", (1,)), raising).put(output([5]))
 
 
+def test_engine_core_outputs_convert_without_an_engine() -> None:
+    """``_StepSink.step`` on hand-made ``EngineCoreOutput``s: replay skipping, logprob rows
+    wider than the request asked for, the stop token (a stop id, or EOS as the last
+    token), cached tokens and timings from vLLM's request stats, unknown finishes as
+    ERROR, and nothing after the final."""
+    import numpy as np
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine import FinishReason as VllmFinish
+    from vllm.v1.metrics.stats import RequestStateStats
+    from vllm.v1.outputs import LogprobsLists
+
+    @dataclass
+    class State:
+        stats: Any
+        num_cached_tokens: int = 3
+
+    def rows(tokens: list[int]) -> LogprobsLists:
+        # Sampled token first, then the batch's top 3 (ids 100+, 200+, 300+).
+        ids = np.array([[t, 100 + t, 200 + t, 300 + t] for t in tokens])
+        lps = np.array([[-0.5, -0.1, -0.2, -0.3] for _ in tokens])
+        return LogprobsLists(ids, lps, np.zeros(len(tokens), dtype=np.int64))
+
+    stats = RequestStateStats(arrival_time=1.0)
+    stats.queued_ts, stats.scheduled_ts, stats.first_token_latency = 10.0, 10.25, 0.5
+    state = State(stats)
+    got: list[EngineOutput | Exception] = []
+    live: dict[str, Any] = {}
+    request = EngineRequest("r", (1, 2), Sampling(logprobs=2), replay_token_ids=(7, 8))
+    sink = step_sink(request, got.append, live)
+    sink.step(EngineCoreOutput("i", [7], new_logprobs=rows([7])), state)
+    sink.step(EngineCoreOutput("i", [8, 9], new_logprobs=rows([8, 9])), state)
+    sink.step(EngineCoreOutput("i", [11], new_logprobs=rows([11]), finish_reason=VllmFinish.STOP,
+                               stop_reason=11), state)
+    sink.step(EngineCoreOutput("i", [12]), state)
+    outputs = [o for o in got if isinstance(o, EngineOutput)]
+    assert [o.token_ids for o in outputs] == [[9], [11]] and len(got) == 2 and not live
+    lp = outputs[0].logprobs
+    assert lp is not None and [(x.token_id, x.logprob, x.top) for x in lp] == [
+        (9, -0.5, ((109, -0.1), (209, -0.2)))]
+    last = outputs[-1]
+    assert (last.finish_reason, last.stop_token_id, last.cached_tokens, last.prompt_tokens) == (
+        FinishReason.STOP, 11, 3, 2)
+    assert last.queue_ms == pytest.approx(250.0) and last.ttft_ms == pytest.approx(500.0)
+
+    for reason, stop_reason, expected, stop_token in (
+        (VllmFinish.STOP, None, FinishReason.STOP, 5),  # EOS: the last token
+        (VllmFinish.LENGTH, None, FinishReason.LENGTH, None),
+        (VllmFinish.ABORT, None, FinishReason.ABORT, None),
+        (VllmFinish.REPETITION, None, FinishReason.ERROR, None),
+    ):
+        got.clear()
+        sink = step_sink(EngineRequest("r", (1,)), got.append)
+        sink.step(EngineCoreOutput("i", [4, 5], finish_reason=reason, stop_reason=stop_reason), state)
+        (final,) = got
+        assert isinstance(final, EngineOutput) and final.logprobs is None
+        assert (final.token_ids, final.finish_reason, final.stop_token_id) == ([4, 5], expected, stop_token)
+
+
 class _FakeLLM:
     """Just what ``VllmEngine.start`` touches of AsyncLLM, with a hook that runs while
     add_request is "awaiting the engine core" (where the output handler may run)."""
