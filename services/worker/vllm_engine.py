@@ -139,8 +139,7 @@ class VllmEngine:
         check_vllm_internals(llm)
         processor = llm.output_processor
         self._vllm_process_outputs = processor.process_outputs
-        self._read_steps = not processor.tracing_enabled
-        if self._read_steps:
+        if not processor.tracing_enabled:
             # Every engine step of the requests started here is read straight from the
             # engine core's outputs (see _process_outputs); vLLM's own OpenTelemetry
             # tracing of requests needs its path, so it keeps it.
@@ -573,24 +572,36 @@ def _convert_output(out: Any, n_logprobs: int | None, prompt_len: int) -> Engine
                 logprob=float(chosen.logprob) if chosen is not None else float("nan"),
                 top=tuple((int(tid), float(lp.logprob)) for tid, lp in top),
             ))
+    return _engine_output(
+        token_ids, logprobs, prompt_len=prompt_len, cached_tokens=int(out.num_cached_tokens or 0),
+        finished=bool(out.finished), reason=completion.finish_reason if completion is not None else None,
+        stop_reason=completion.stop_reason if completion is not None else None,
+        stats=getattr(out, "metrics", None),
+    )
+
+
+def _engine_output(token_ids: list[int], logprobs: list[TokenLogprob] | None, *, prompt_len: int,
+                   cached_tokens: int, finished: bool, reason: str | None, stop_reason: Any,
+                   stats: Any) -> EngineOutput:
+    """One delta as an :class:`EngineOutput`; a finished one also gets its finish reason
+    (from vLLM's name for it; none or an unknown one is ERROR), stop token (a stop token
+    id, or for EOS the last generated token) and, from vLLM's request stats, queue and
+    TTFT milliseconds."""
     finish: FinishReason | None = None
     stop_token_id: int | None = None
     queue_ms = ttft_ms = None
-    if out.finished:
-        reason = completion.finish_reason if completion is not None else None
-        finish = _FINISH.get(str(reason), FinishReason.ERROR) if reason else FinishReason.ERROR
-        if finish is FinishReason.STOP and completion is not None:
-            stop_reason = completion.stop_reason
+    if finished:
+        finish = _FINISH.get(reason, FinishReason.ERROR) if reason else FinishReason.ERROR
+        if finish is FinishReason.STOP:
             if isinstance(stop_reason, int):
                 stop_token_id = stop_reason
             elif token_ids:  # EOS: the last generated token
                 stop_token_id = token_ids[-1]
-        metrics = getattr(out, "metrics", None)
-        if metrics is not None:
-            queued, scheduled = getattr(metrics, "queued_ts", 0.0), getattr(metrics, "scheduled_ts", 0.0)
+        if stats is not None:
+            queued, scheduled = getattr(stats, "queued_ts", 0.0), getattr(stats, "scheduled_ts", 0.0)
             if queued and scheduled >= queued:
                 queue_ms = (scheduled - queued) * 1000.0
-            first = getattr(metrics, "first_token_latency", 0.0)
+            first = getattr(stats, "first_token_latency", 0.0)
             if first:
                 ttft_ms = first * 1000.0
     return EngineOutput(
@@ -599,7 +610,7 @@ def _convert_output(out: Any, n_logprobs: int | None, prompt_len: int) -> Engine
         finish_reason=finish,
         stop_token_id=stop_token_id,
         prompt_tokens=prompt_len,
-        cached_tokens=int(out.num_cached_tokens or 0),
+        cached_tokens=cached_tokens,
         queue_ms=queue_ms,
         ttft_ms=ttft_ms,
     )
@@ -626,32 +637,12 @@ def _convert_step(out: Any, state: Any, n_logprobs: int | None, prompt_len: int)
     logprobs = None
     if n_logprobs is not None and out.new_logprobs is not None:
         logprobs = _step_logprobs(out.new_logprobs, token_ids, n_logprobs)
-    finish: FinishReason | None = None
-    stop_token_id: int | None = None
-    queue_ms = ttft_ms = None
+    # vLLM's FinishReason is an IntEnum whose STOP is 0: compare and name it, never test it.
     reason = out.finish_reason
-    if reason is not None:
-        finish = _FINISH.get(str(reason), FinishReason.ERROR)
-        if finish is FinishReason.STOP:
-            if isinstance(out.stop_reason, int):
-                stop_token_id = out.stop_reason
-            elif token_ids:  # EOS: the last generated token
-                stop_token_id = token_ids[-1]
-        stats = state.stats
-        if stats is not None:
-            if stats.queued_ts and stats.scheduled_ts >= stats.queued_ts:
-                queue_ms = (stats.scheduled_ts - stats.queued_ts) * 1000.0
-            if stats.first_token_latency:
-                ttft_ms = stats.first_token_latency * 1000.0
-    return EngineOutput(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        finish_reason=finish,
-        stop_token_id=stop_token_id,
-        prompt_tokens=prompt_len,
-        cached_tokens=int(state.num_cached_tokens or 0),
-        queue_ms=queue_ms,
-        ttft_ms=ttft_ms,
+    return _engine_output(
+        token_ids, logprobs, prompt_len=prompt_len, cached_tokens=int(state.num_cached_tokens or 0),
+        finished=reason is not None, reason=str(reason) if reason is not None else None,
+        stop_reason=out.stop_reason, stats=state.stats,
     )
 
 
