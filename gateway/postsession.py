@@ -28,7 +28,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-import grpc
 from opentelemetry import propagate
 
 from gateway import convert
@@ -38,7 +37,10 @@ from gateway.tiers import GrpcPostprocessorTier, request_error
 from gateway.types import PostConfig, PostDelta, PostFinal
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common import errors
+from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
+
+SESSION_METHOD = "/llmesh.postprocess.v1.PostprocessService/Session"
 
 PostItem = PostDelta | PostFinal | BaseException
 
@@ -244,9 +246,10 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
             self._schedule()
 
     # -- internals -------------------------------------------------------------------
-    def _open(self, channel: grpc.aio.Channel,
+    def _open(self, opener: SessionOpener,
               messages: AsyncIterator[postprocess_pb2.SessionRequest]) -> Any:
-        return postprocess_pb2_grpc.PostprocessServiceStub(channel).Session(messages)
+        stub = postprocess_pb2_grpc.PostprocessServiceStub(opener.channel)
+        return opener.open(SESSION_METHOD, stub.Session, messages, postprocess_pb2.SessionResponse)
 
     def _new_message(self) -> postprocess_pb2.SessionRequest:
         return postprocess_pb2.SessionRequest()

@@ -36,7 +36,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
-import grpc
 from opentelemetry import propagate
 
 from gateway import convert
@@ -45,7 +44,10 @@ from gateway.tiers import ROUTER_FIELD_PREFIXES, GrpcRouterTier, request_error
 from gateway.types import RouterDelta, RouterFinal, TokenGeneration
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from services.common import errors
+from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
+
+SESSION_METHOD = "/llmesh.router.v1.RouterService/Session"
 
 _Item = RouterDelta | RouterFinal | errors.LlmeshError
 
@@ -96,8 +98,9 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
             self._schedule()
 
     # -- internals -------------------------------------------------------------------
-    def _open(self, channel: grpc.aio.Channel, messages: AsyncIterator[router_pb2.SessionRequest]) -> Any:
-        return router_pb2_grpc.RouterServiceStub(channel).Session(messages)
+    def _open(self, opener: SessionOpener, messages: AsyncIterator[router_pb2.SessionRequest]) -> Any:
+        stub = router_pb2_grpc.RouterServiceStub(opener.channel)
+        return opener.open(SESSION_METHOD, stub.Session, messages, router_pb2.SessionResponse)
 
     def _new_message(self) -> router_pb2.SessionRequest:
         return router_pb2.SessionRequest()

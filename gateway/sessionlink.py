@@ -42,6 +42,7 @@ from gateway.tiers import domain_error
 from services.common import errors
 from services.common.channels import create_channel
 from services.common.retry import SESSION_RETRY_S
+from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
     closed_message: ClassVar[str]
     """Why requests fail when the link is closed on this side."""
 
-    def __init__(self, channel: grpc.aio.Channel, replica: int, target: str = "") -> None:
+    def __init__(self, opener: SessionOpener, replica: int, target: str = "") -> None:
         self.replica = replica
         self.target = target
         self.requests: dict[int, CarriedT] = {}
@@ -105,20 +106,21 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
         self.calls_until = 0.0
         """Monotonic instant until which the replica gets calls: it turned out to have no
         Session (0: it has, or nobody knows yet)."""
-        self._channel = channel
+        self._opener = opener
         self.messages_sent = 0
         self.frames_received = 0
         self._next_handle = 0
         self._outbox: asyncio.Queue[MessageT | None] = asyncio.Queue()
         self._pending = self._new_message()
         self._flush_scheduled = False
-        self._call = self._open(channel, self._messages())
+        self._call = self._open(opener, self._messages())
         self._reader = asyncio.ensure_future(self._read())
 
     # -- what each tier defines ------------------------------------------------------
     @abstractmethod
-    def _open(self, channel: grpc.aio.Channel, messages: AsyncIterator[MessageT]) -> Any:
-        """Start the Session call that sends ``messages``."""
+    def _open(self, opener: SessionOpener, messages: AsyncIterator[MessageT]) -> Any:
+        """Start the Session call that sends ``messages`` (``opener.open``: over the
+        replica's framed listener when it has one, services/common/sessionwire.py)."""
 
     @abstractmethod
     def _new_message(self) -> MessageT:
@@ -217,7 +219,7 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
         no frames, one without it UNIMPLEMENTED, one that refuses this gateway refuses it
         too. Meanwhile the replica gets calls."""
         self.probing = True
-        call = self._open(self._channel, _no_messages())
+        call = self._open(self._opener, _no_messages())
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 async for _ in call:
@@ -268,6 +270,10 @@ class ReplicaLinks(Generic[LinkT]):
             create_channel(t, tls=tls, server_name_override=server_name, interceptors=[])
             for t in targets
         ]
+        self.openers = [
+            SessionOpener(channel, target, tls=tls, server_name=server_name)
+            for channel, target in zip(self.channels, self.targets, strict=True)
+        ]
         self._links: list[LinkT | None] = [None] * len(self.channels)
         self.opened = 0
         """Calls opened so far (one per replica, plus one per break)."""
@@ -295,7 +301,7 @@ class ReplicaLinks(Generic[LinkT]):
                 log.info("%s replica %d: session broke; opening a new one", link.tier, index)
             # Opened in an empty context: the call and its reader serve every request, so
             # they must not carry this request's span or log fields.
-            link = contextvars.Context().run(self._link, self.channels[index], index, self.targets[index])
+            link = contextvars.Context().run(self._link, self.openers[index], index, self.targets[index])
             self._links[index] = link
             self.opened += 1
         return link

@@ -55,8 +55,10 @@ OPEN_SERVICES = (
     "grpc.health.v1.Health",
     "grpc.reflection.v1alpha.ServerReflection",
     "grpc.reflection.v1.ServerReflection",
+    "llmesh.common.v1.SessionTransportService",
 )
-"""Services every authenticated peer may call (probes, grpcurl describe)."""
+"""Services every authenticated peer may call (probes, grpcurl describe, where the
+framed Session listener is: its connections are checked as the gRPC port's calls are)."""
 
 
 def tier_identity(tier: str) -> str:
@@ -175,6 +177,19 @@ def _uris_from_pem(pem: bytes) -> tuple[str, ...]:
 
     try:
         cert = x509.load_pem_x509_certificate(pem)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return ()
+    return tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+@functools.lru_cache(maxsize=256)
+def peer_identities_from_der(der: bytes) -> tuple[str, ...]:
+    """URI SANs of a peer certificate in DER (as ``ssl.SSLObject.getpeercert(True)`` gives it)."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_der_x509_certificate(der)
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (ValueError, x509.ExtensionNotFound):
         return ()

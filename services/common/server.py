@@ -18,7 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.authz import caller_authz_interceptors
+from llmesh.common.v1 import session_transport_pb2_grpc
+from services.common.authz import CallerAuthorizer, caller_authz_interceptors
 from services.common.channels import (
     SERVER_KEEPALIVE_OPTIONS,
     server_credentials,
@@ -26,6 +27,12 @@ from services.common.channels import (
 )
 from services.common.interceptors import ErrorMappingInterceptor
 from services.common.processes import CPU_TIERS
+from services.common.sessionwire import (
+    SESSION_TRANSPORT_SERVICE,
+    SessionListener,
+    SessionMethod,
+    SessionTransportServicer,
+)
 from services.common.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,8 @@ class ServerHandle:
     readiness_interval_s: float = 0.5
     followed: dict[str, bool] = field(default_factory=dict)
     """What :meth:`follow_readiness` last set, per health service name."""
+    sessions: SessionListener | None = None
+    """The framed Session listener (services/common/sessionwire.py), if the tier has one."""
 
     async def follow_readiness(self) -> None:
         """Keep health in step with :attr:`readiness` until cancelled (the serving phase)."""
@@ -89,6 +98,7 @@ async def create_server(
     extra_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tracing: bool = True,
     max_receive_message_bytes: int = 0,
+    sessions: Mapping[str, SessionMethod] | None = None,
 ) -> ServerHandle:
     """Build a grpc.aio server with health, reflection and the shared interceptors.
 
@@ -98,6 +108,10 @@ async def create_server(
     its policy (services/common/authz.py) unless ``settings.authorize_callers`` is off.
     ``max_receive_message_bytes`` > 0 caps request messages (the gateway's, sized from its
     request limits).
+
+    ``sessions`` (full method name -> handler) are also served on a framed listener
+    (services/common/sessionwire.py) bound here on ``settings.session_port`` (unless -1),
+    with the same TLS and caller policy; ``GetSessionEndpoint`` on the gRPC port names it.
     """
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if tracing:
@@ -123,11 +137,23 @@ async def create_server(
                  ("grpc.so_reuseport", 1 if settings.processes > 1 else 0)],
     )
     register(server)
+    listener: SessionListener | None = None
+    if sessions and settings.session_port >= 0:
+        authorizer = (CallerAuthorizer.build(tier, settings.caller_identities)
+                      if settings.mutual_tls and settings.authorize_callers else None)
+        listener = SessionListener(
+            tier, sessions, host=settings.host, port=settings.session_port, tls=settings.server_tls,
+            authorizer=authorizer, reuse_port=settings.processes > 1,
+        )
+        await listener.bind()
+        session_transport_pb2_grpc.add_SessionTransportServiceServicer_to_server(
+            SessionTransportServicer(listener), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
+    framed = (SESSION_TRANSPORT_SERVICE,) if listener is not None else ()
     reflection.enable_server_reflection(
-        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (*names, *framed, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME),
         server,
     )
@@ -141,7 +167,8 @@ async def create_server(
         raise RuntimeError(f"{tier}: could not bind {address}")
     for name in ("", *names):
         await health_servicer.set(name, NOT_SERVING)
-    return ServerHandle(server=server, port=port, health=health_servicer, service_names=names)
+    return ServerHandle(server=server, port=port, health=health_servicer, service_names=names,
+                        sessions=listener)
 
 
 async def run_until_signal(
@@ -177,6 +204,9 @@ async def run_until_signal(
             pass  # not the main thread (tests): rely on stop_event
     follower: asyncio.Task[None] | None = None
     await handle.server.start()
+    if handle.sessions is not None:
+        await handle.sessions.start()
+        log.info("%s serves Session frames on port %d", tier, handle.sessions.port)
     handle.events.append("started")
     await handle.set_live(True)
     if on_started is not None:
@@ -212,7 +242,10 @@ async def run_until_signal(
         if drain_seconds > 0:
             await asyncio.sleep(drain_seconds)
         await handle.set_live(False)
-        await handle.server.stop(grace_seconds)
+        if handle.sessions is not None:
+            await asyncio.gather(handle.server.stop(grace_seconds), handle.sessions.stop(grace_seconds))
+        else:
+            await handle.server.stop(grace_seconds)
         handle.events.append("stopped")
         for closer in close:
             try:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from llmesh.postprocess.v1 import postprocess_pb2_grpc
+from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common.server import ServerHandle, create_server, run_until_signal
+from services.common.sessionwire import SessionMethod
 from services.postprocessor import metrics
 from services.postprocessor.core import Limits, PostprocessCore, SessionConfig, UpstreamFinish
 from services.postprocessor.sensitive import FilterMode
@@ -45,6 +46,8 @@ async def build_server(settings: PostprocessorSettings) -> tuple[ServerHandle, P
             servicer, server
         ),
         service_names=[SERVICE_NAME],
+        sessions={
+            f"/{SERVICE_NAME}/Session": SessionMethod(servicer.Session, postprocess_pb2.SessionRequest)},
     )
     for name, model in core.models.items():
         log.info("postprocessor model %s loaded from %s (checksum %s)", name, model.path, model.checksum)

@@ -13,6 +13,7 @@ from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.channels import create_channel
 from services.common.server import ServerHandle, create_server, run_until_signal
+from services.common.sessionwire import SessionMethod
 from services.router.core import ChecksumSource, Router
 from services.router.servicer import RouterServicer
 from services.router.settings import RouterSettings
@@ -67,6 +68,7 @@ async def build_server(
         tier="router",
         register=lambda server: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
+        sessions={f"/{SERVICE_NAME}/Session": SessionMethod(servicer.Session, router_pb2.SessionRequest)},
     )
     # Readiness tells the truth: the service is ready while some model can be served,
     # and "<service>/<model>" per model; health changes and breaker trips re-evaluate it

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,6 +21,7 @@ from services.common.generation_convert import (
     logprobs_from_proto,
     request_to_proto,
 )
+from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
 from services.router.registry import Load, WorkerInfo
 from services.router.workerapi import SessionSubmit, WorkerCallError, WorkerEvent
@@ -110,13 +112,29 @@ def frame_events(frame: worker_pb2.SessionResponse) -> Iterator[tuple[int, Worke
         yield error.handle, request_error(error.error)
 
 
-class GrpcSessionLink:
-    """A worker Session call: submissions and aborts go out through a queue (one writer),
-    frames come back in column layout and are split into per-request events."""
+SESSION_METHOD = "/llmesh.worker.v1.WorkerService/Session"
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+
+def _session_call(opener: SessionOpener, messages: AsyncIterator[worker_pb2.SessionRequest]) -> Any:
+    """A worker Session call: over the worker's framed listener, or over gRPC."""
+    stub = worker_pb2_grpc.WorkerServiceStub(opener.channel)
+    return opener.open(SESSION_METHOD, stub.Session, messages, worker_pb2.SessionResponse)
+
+
+async def _nothing() -> AsyncIterator[worker_pb2.SessionRequest]:
+    nothing: tuple[worker_pb2.SessionRequest, ...] = ()
+    for message in nothing:
+        yield message
+
+
+class GrpcSessionLink:
+    """A worker Session call (over the worker's framed listener when it has one,
+    services/common/sessionwire.py): submissions and aborts go out through a queue (one
+    writer), frames come back in column layout and are split into per-request events."""
+
+    def __init__(self, opener: SessionOpener) -> None:
         self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
-        self._call = stub.Session(self._requests())
+        self._call = _session_call(opener, self._requests())
 
     async def _requests(self) -> AsyncIterator[worker_pb2.SessionRequest]:
         while (message := await self._outbox.get()) is not None:
@@ -159,6 +177,7 @@ class GrpcWorkerClient:
         # load reports that decide reachability. Untraced: each request carries its own
         # trace context inside the session.
         self.session_channel: grpc.aio.Channel | None = None
+        self._sessions: SessionOpener | None = None
         self._tls = tls
 
     async def generate(
@@ -199,10 +218,14 @@ class GrpcWorkerClient:
         finally:
             call.cancel()
 
-    def open_session(self) -> GrpcSessionLink:
-        if self.session_channel is None:
+    def _opener(self) -> SessionOpener:
+        if self._sessions is None:
             self.session_channel = create_channel(self.address, tls=self._tls, interceptors=[])
-        return GrpcSessionLink(worker_pb2_grpc.WorkerServiceStub(self.session_channel))
+            self._sessions = SessionOpener(self.session_channel, self.address, tls=self._tls)
+        return self._sessions
+
+    def open_session(self) -> GrpcSessionLink:
+        return GrpcSessionLink(self._opener())
 
     async def has_session(self, timeout: float) -> bool:
         """Whether the worker serves Session: one call that sends nothing and ends its
@@ -210,16 +233,21 @@ class GrpcWorkerClient:
         UNIMPLEMENTED. (A Session the worker ends early while the caller is still writing
         may surface as INTERNAL "Internal error from Core" instead: only a call that writes
         nothing tells the two apart.)"""
-        if self.session_channel is None:
-            self.session_channel = create_channel(self.address, tls=self._tls, interceptors=[])
-        call = worker_pb2_grpc.WorkerServiceStub(self.session_channel).Session(iter(()), timeout=timeout)
+        call = _session_call(self._opener(), _nothing())
         try:
-            async for _ in call:
-                pass
+            async with asyncio.timeout(timeout):
+                async for _ in call:
+                    pass
         except grpc.aio.AioRpcError as err:
             if err.code() is grpc.StatusCode.UNIMPLEMENTED:
                 return False
             raise call_error(err) from None
+        except TimeoutError:
+            raise call_error(grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                "no answer to a Session call in time")) from None
+        finally:
+            call.cancel()
         return True
 
     async def abort(self, request_id: str) -> None:

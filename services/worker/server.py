@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmesh.worker.v1 import worker_pb2_grpc
+from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from services.common.modelinfo import served_model_name, tokenizer_checksum
 from services.common.server import ServerHandle, create_server, run_until_signal
+from services.common.sessionwire import SessionMethod
 from services.worker import metrics
 from services.worker.core import WorkerCore, WorkerIdentity
 from services.worker.engine import Engine
@@ -309,6 +310,7 @@ async def create_worker_server(
         tier=TIER,
         register=lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
+        sessions={f"/{SERVICE_NAME}/Session": SessionMethod(servicer.Session, worker_pb2.SessionRequest)},
     )
     return WorkerServer(
         settings=settings,

@@ -1,0 +1,346 @@
+"""The framed Session transport (services/common/sessionwire.py), in process.
+
+A Session handler of the shape every tier's servicer has (a request iterator in, frames
+out) is served on a gRPC port and on a framed listener; callers reach it through a
+:class:`SessionOpener`, as the router's worker link and the gateway's session links do.
+Covered: the calls run over the listener, statuses keep their google.rpc details, the
+handler is cancelled when the caller goes away, a silent peer is given up, pings keep an
+idle session alive, a peer without a listener (or whose port refuses) is called over
+gRPC, bad framing is refused, and the caller identity policy holds under mutual TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from llmesh.certs import write_dev_certs
+from llmesh.common.v1 import session_transport_pb2, session_transport_pb2_grpc
+from llmesh.worker.v1 import worker_pb2
+from services.common import sessionwire
+from services.common.authz import CallerAuthorizer
+from services.common.errors import InvalidArgument, error_from_rpc
+from services.common.sessionwire import (
+    PREFACE,
+    FramedCall,
+    SessionListener,
+    SessionMethod,
+    SessionOpener,
+    SessionTransportServicer,
+    frame,
+    target_host,
+)
+from services.common.settings import TlsSettings
+
+METHOD = "/llmesh.worker.v1.WorkerService/Session"
+
+
+class EchoSessions:
+    """A Session handler: each submission is answered by a frame naming its handle, a
+    submission of handle 99 fails the call with a field violation, one of handle 7
+    blocks until cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+        self.blocking = asyncio.Event()
+        self.calls = 0
+
+    async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest], context: Any
+                      ) -> AsyncIterator[worker_pb2.SessionResponse]:
+        self.calls += 1
+        try:
+            async for message in requests:
+                for sub in message.submit:
+                    if sub.handle == 99:
+                        raise InvalidArgument("submit.request.sampling.seed", "must fit in 63 bits")
+                    if sub.handle == 7:
+                        self.blocking.set()
+                        await asyncio.Event().wait()
+                    yield worker_pb2.SessionResponse(handles=[sub.handle], token_counts=[1], token_ids=[sub.handle])
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+class Peer:
+    """A gRPC port (with or without GetSessionEndpoint) and, maybe, a framed listener."""
+
+    def __init__(self, handler: EchoSessions, *, listener: bool = True, tls: TlsSettings | None = None,
+                 authorizer: CallerAuthorizer | None = None) -> None:
+        self.handler = handler
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "llmesh.worker.v1.WorkerService",
+            {"Session": grpc.stream_stream_rpc_method_handler(
+                handler.Session, request_deserializer=worker_pb2.SessionRequest.FromString,
+                response_serializer=worker_pb2.SessionResponse.SerializeToString)}),))
+        self.listener: SessionListener | None = None
+        if listener:
+            self.listener = SessionListener(
+                "worker", {METHOD: SessionMethod(handler.Session, worker_pb2.SessionRequest)},
+                host="127.0.0.1", tls=tls, authorizer=authorizer)
+            session_transport_pb2_grpc.add_SessionTransportServiceServicer_to_server(
+                SessionTransportServicer(self.listener), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.target = f"127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> Peer:
+        await self.server.start()
+        if self.listener is not None:
+            await self.listener.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.listener is not None:
+            await self.listener.stop(0)
+        await self.server.stop(0)
+
+
+def submit(*handles: int) -> worker_pb2.SessionRequest:
+    return worker_pb2.SessionRequest(submit=[worker_pb2.SessionSubmit(handle=h) for h in handles])
+
+
+async def messages(*items: worker_pb2.SessionRequest, hold: asyncio.Event | None = None
+                   ) -> AsyncIterator[worker_pb2.SessionRequest]:
+    for item in items:
+        yield item
+    if hold is not None:
+        await hold.wait()
+
+
+def open_call(opener: SessionOpener, requests: AsyncIterator[worker_pb2.SessionRequest]) -> FramedCall:
+    session = opener.channel.stream_stream(
+        METHOD, request_serializer=worker_pb2.SessionRequest.SerializeToString,
+        response_deserializer=worker_pb2.SessionResponse.FromString)
+    return opener.open(METHOD, session, requests, worker_pb2.SessionResponse)
+
+
+@contextlib.asynccontextmanager
+async def opener_for(peer: Peer, tls: TlsSettings | None = None) -> AsyncIterator[SessionOpener]:
+    channel = grpc.aio.insecure_channel(peer.target)
+    try:
+        yield SessionOpener(channel, peer.target, tls=tls, server_name="localhost")
+    finally:
+        await channel.close()
+
+
+async def handles_of(call: FramedCall) -> list[int]:
+    return [h for response in [r async for r in call] for h in response.handles]
+
+
+async def test_a_session_runs_over_the_listener() -> None:
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1, 2), submit(3)))
+        assert await handles_of(call) == [1, 2, 3]
+        assert call.framed
+        assert (opener.framed_calls, opener.grpc_calls) == (1, 0)
+        assert peer.listener is not None and peer.listener.accepted == 1
+        # The endpoint is asked once per peer, not per call.
+        again = open_call(opener, messages(submit(4)))
+        assert await handles_of(again) == [4]
+        assert opener.framed_calls == 2
+
+
+async def test_a_failed_call_keeps_its_field_violation() -> None:
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1), submit(99), hold=asyncio.Event()))
+        seen: list[int] = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for response in call:
+                seen += list(response.handles)
+        assert seen == [1]
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        error = error_from_rpc(info.value)
+        assert isinstance(error, InvalidArgument)
+        assert error.field == "submit.request.sampling.seed"
+        assert "63 bits" in str(error)
+
+
+async def test_an_unknown_method_is_unimplemented() -> None:
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        session = opener.channel.stream_stream("/llmesh.router.v1.RouterService/Session")
+        call = opener.open("/llmesh.router.v1.RouterService/Session", session, messages(),
+                           worker_pb2.SessionResponse)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [r async for r in call]
+        assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        assert call.framed
+
+
+async def test_the_handler_is_cancelled_when_the_caller_goes_away() -> None:
+    handler = EchoSessions()
+    async with Peer(handler) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(7), hold=asyncio.Event()))
+        reading = asyncio.ensure_future(handles_of(call))
+        await asyncio.wait_for(handler.blocking.wait(), 5)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        await asyncio.wait_for(handler.cancelled.wait(), 5)
+
+
+async def test_a_connection_that_ends_without_end_of_input_cancels_the_handler() -> None:
+    handler = EchoSessions()
+    async with Peer(handler) as peer:
+        assert peer.listener is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", peer.listener.port)
+        writer.write(PREFACE + frame(sessionwire.HELLO, METHOD.encode())
+                     + frame(sessionwire.MESSAGE, submit(7).SerializeToString()))
+        await asyncio.wait_for(handler.blocking.wait(), 5)
+        writer.transport.abort()
+        await asyncio.wait_for(handler.cancelled.wait(), 5)
+
+
+async def test_a_silent_peer_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that accepts and never answers (a stopped process, a cut link) fails the
+    call with UNAVAILABLE after DEAD_AFTER_S, as gRPC's keepalive would."""
+    monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
+    monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)
+    held: list[asyncio.StreamWriter] = []
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    mute_server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    mute_port = mute_server.sockets[0].getsockname()[1]
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        opener._port = mute_port  # the endpoint it named has stopped answering
+        call = open_call(opener, messages(submit(1), hold=asyncio.Event()))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(handles_of(call), 5)
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "no answer" in (info.value.details() or "")
+    mute_server.close()
+
+
+async def test_pings_keep_an_idle_session_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
+    monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)
+    hold = asyncio.Event()
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1), hold=hold))
+        reading = asyncio.ensure_future(handles_of(call))
+        await asyncio.sleep(1.0)  # over three times DEAD_AFTER_S with nothing to send
+        assert not reading.done()
+        hold.set()
+        assert await asyncio.wait_for(reading, 5) == [1]
+
+
+async def test_a_peer_without_a_listener_is_called_over_grpc() -> None:
+    handler = EchoSessions()
+    async with Peer(handler, listener=False) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1, 2)))
+        assert await handles_of(call) == [1, 2]
+        assert not call.framed
+        assert (opener.framed_calls, opener.grpc_calls) == (0, 1)
+        assert handler.calls == 1
+
+
+async def test_a_listener_port_that_refuses_falls_back_to_grpc() -> None:
+    class Elsewhere(session_transport_pb2_grpc.SessionTransportServiceServicer):
+        async def GetSessionEndpoint(self, request: Any, context: Any) -> Any:
+            return session_transport_pb2.GetSessionEndpointResponse(
+                port=closed_port, version=sessionwire.VERSION, methods=[METHOD])
+
+    with contextlib.closing(__import__("socket").socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    peer = Peer(EchoSessions(), listener=False)
+    session_transport_pb2_grpc.add_SessionTransportServiceServicer_to_server(Elsewhere(), peer.server)
+    async with peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(5)))
+        assert await handles_of(call) == [5]
+        assert not call.framed and opener.grpc_calls == 1
+
+
+async def test_a_connection_without_the_preface_is_dropped() -> None:
+    handler = EchoSessions()
+    async with Peer(handler) as peer:
+        assert peer.listener is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", peer.listener.port)
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # a gRPC client on the wrong port
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert handler.calls == 0
+
+
+async def test_an_oversized_or_undecodable_message_is_refused() -> None:
+    async with Peer(EchoSessions()) as peer:
+        assert peer.listener is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", peer.listener.port)
+        writer.write(PREFACE + frame(sessionwire.HELLO, METHOD.encode()) + frame(sessionwire.MESSAGE, b"\xff\xff"))
+        kind, payload = await asyncio.wait_for(sessionwire.read_frame(reader), 5)
+        assert kind == sessionwire.STATUS
+        status = sessionwire.status_pb2.Status.FromString(payload)
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "llmesh.worker.v1.SessionRequest" in status.message
+        writer.close()
+        # A frame header over the limit is refused before its payload is read.
+        reader, writer = await asyncio.open_connection("127.0.0.1", peer.listener.port)
+        header = struct.pack("!BI", sessionwire.MESSAGE, sessionwire.MAX_FRAME_BYTES + 1)
+        writer.write(PREFACE + frame(sessionwire.HELLO, METHOD.encode()) + header)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # dropped, the handler cancelled
+        writer.close()
+
+
+def test_target_hosts() -> None:
+    assert target_host("127.0.0.1:50051") == "127.0.0.1"
+    assert target_host("dns:///router.llmesh.svc:50051") == "router.llmesh.svc"
+    assert target_host("[::1]:50051") == "::1"
+    assert target_host("ipv4:10.0.0.7:50051") == "10.0.0.7"
+    assert target_host("worker-0:7000") == "worker-0"
+    assert target_host("unix:/tmp/worker.sock") is None
+    assert target_host("ipv4:10.0.0.7:1,10.0.0.8:1") is None
+    assert target_host("localhost") is None
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sessionwire-certs")
+    write_dev_certs(out)
+    return out
+
+
+def _tls(certs: Path, identity: str) -> TlsSettings:
+    return TlsSettings(ca=str(certs / "ca.pem"), cert=str(certs / f"{identity}.pem"),
+                       key=str(certs / f"{identity}-key.pem"))
+
+
+@pytest.mark.parametrize(("identity", "allowed"), [("router", True), ("gateway", False), ("client", False)])
+async def test_mutual_tls_holds_the_callers_identity_to_the_policy(
+        certs: Path, identity: str, allowed: bool) -> None:
+    server_tls = TlsSettings(ca=str(certs / "ca.pem"), cert=str(certs / "worker.pem"),
+                             key=str(certs / "worker-key.pem"))
+    handler = EchoSessions()
+    async with Peer(handler, tls=server_tls, authorizer=CallerAuthorizer.build("worker")) as peer, \
+            opener_for(peer, tls=_tls(certs, identity)) as opener:
+        call = open_call(opener, messages(submit(3)))
+        if allowed:
+            assert await handles_of(call) == [3]
+            assert call.framed
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await handles_of(call)
+            assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "not allowed" in (info.value.details() or "")
+            assert handler.calls == 0
+
+
+async def test_mutual_tls_refuses_a_caller_without_a_certificate(certs: Path) -> None:
+    server_tls = TlsSettings(ca=str(certs / "ca.pem"), cert=str(certs / "worker.pem"),
+                             key=str(certs / "worker-key.pem"))
+    handler = EchoSessions()
+    async with Peer(handler, tls=server_tls, authorizer=CallerAuthorizer.build("worker")) as peer, \
+            opener_for(peer, tls=TlsSettings(ca=str(certs / "ca.pem"))) as opener:
+        call = open_call(opener, messages(submit(3)))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(handles_of(call), 10)
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert handler.calls == 0
