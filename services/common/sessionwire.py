@@ -45,7 +45,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -228,8 +228,8 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's TLS transport is no asyncio.Transport subclass, but has its methods.
+        self.transport = cast(asyncio.Transport, transport)
         self.listener.connections.add(self)
         self.listener.accepted += 1
         self._hello_timer = asyncio.get_running_loop().call_later(

@@ -344,3 +344,24 @@ async def test_mutual_tls_refuses_a_caller_without_a_certificate(certs: Path) ->
             await asyncio.wait_for(handles_of(call), 10)
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE
         assert handler.calls == 0
+
+
+def test_a_tls_session_on_uvloop(certs: Path) -> None:
+    """The tiers run uvloop, whose transports (TLS ones too) are not asyncio's classes."""
+    import uvloop
+
+    async def session() -> list[int]:
+        server_tls = TlsSettings(ca=str(certs / "ca.pem"), cert=str(certs / "worker.pem"),
+                                 key=str(certs / "worker-key.pem"))
+        async with Peer(EchoSessions(), tls=server_tls, authorizer=CallerAuthorizer.build("worker")) as peer, \
+                opener_for(peer, tls=_tls(certs, "router")) as opener:
+            call = open_call(opener, messages(submit(1), submit(2)))
+            handles = await handles_of(call)
+            assert call.framed
+            return handles
+
+    loop = uvloop.new_event_loop()
+    try:
+        assert loop.run_until_complete(session()) == [1, 2]
+    finally:
+        loop.close()

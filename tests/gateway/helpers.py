@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -72,3 +74,22 @@ async def collect_stream(stub_: inference_pb2_grpc.InferenceServiceStub, req: An
             final = item.final
     assert final is not None, "stream ended without a final message"
     return "".join(text), final, deltas
+
+
+_SERVES_FRAMES = re.compile(r'"msg": "(\w+) serves Session frames on port (\d+)"')
+_CALLS_FRAMES = re.compile(r'"msg": "\S+ serves Session frames on port (\d+): Session calls go there"')
+
+
+def session_frame_ports(log_dir: Path) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+    """From a mesh's logs (``llmesh up``'s, one file per process): the framed Session
+    listener ports each tier serves, and the listener ports each tier's Session calls
+    went to (services/common/sessionwire.py logs both)."""
+    served: dict[str, set[int]] = {}
+    called: dict[str, set[int]] = {}
+    for path in log_dir.glob("*.log"):
+        tier = path.stem.split("-")[0]
+        text = path.read_text(errors="replace")
+        for name, port in _SERVES_FRAMES.findall(text):
+            served.setdefault(name, set()).add(int(port))
+        called.setdefault(tier, set()).update(int(p) for p in _CALLS_FRAMES.findall(text))
+    return served, called

@@ -17,7 +17,7 @@ import pytest
 
 from llmesh.v1 import inference_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.gateway.helpers import collect_stream, request, stream_request, stub
+from tests.gateway.helpers import collect_stream, request, session_frame_ports, stream_request, stub
 
 pytestmark = pytest.mark.engine
 
@@ -39,6 +39,22 @@ def _camel(value):
     if isinstance(value, dict):
         return {re.sub(r"_([a-z])", lambda m: m.group(1).upper(), k): _camel(v) for k, v in value.items()}
     return value
+
+
+async def test_every_session_hop_runs_over_frames_real_engine(engine_channel, engine_mesh):
+    """Worker -> router, router -> gateway and gateway <-> postprocessor carry the stream
+    over the tiers' framed Session listeners (not gRPC), and the text is the same as a
+    unary call's."""
+    s = stub(engine_channel)
+    text, final, _ = await collect_stream(s, stream_request(messages=PARIS, sampling={"max_tokens": 12}))
+    unary = await s.Generate(request(messages=PARIS, sampling={"max_tokens": 12}))
+    assert text == unary.text and final.usage.completion_tokens == unary.usage.completion_tokens
+    served, called = session_frame_ports(engine_mesh.log_dir)
+    assert served.keys() == {"worker", "router", "postprocessor"}, served
+    assert called["gateway"] & served["router"] and called["gateway"] & served["postprocessor"], (served, called)
+    assert called["router"] & served["worker"], (served, called)
+    logs = "".join(p.read_text(errors="replace") for p in engine_mesh.log_dir.glob("*.log"))
+    assert "has no framed Session listener" not in logs
 
 
 def test_grpcurl_streams_paris_with_no_proto_files(engine_mesh):

@@ -34,7 +34,12 @@ from llmesh.tokenizer.v1 import tokenizer_pb2
 from llmesh.up import Mesh, grpcurl_hint
 from llmesh.worker.v1 import worker_pb2
 
+from services.common.channels import client_credentials
+from services.common.sessionwire import SessionOpener
+from services.common.settings import TlsSettings
+
 from .conftest import running_mesh
+from .helpers import session_frame_ports
 
 API_KEY = "identity-tests-key"
 REPO = Path(__file__).resolve().parents[2]
@@ -105,6 +110,48 @@ def test_the_gateways_calls_work_end_to_end(mesh: Mesh) -> None:
         stream = client.stream(messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert "".join(stream) == stream.final.text  # postprocessor deltas
         assert client.tokenize("Hello").tokenizer_checksum == model.tokenizer_checksum
+
+
+def test_session_hops_run_over_mutual_tls_frames(mesh: Mesh) -> None:
+    """The gateway's and the router's Session calls go to the framed listeners, with the
+    same certificates as their gRPC calls."""
+    d = mesh.tls_dir
+    address = f"{mesh.config.gateway.host}:{mesh.config.gateway.port}"
+    with Client(address, api_key=API_KEY, ca=d / "ca.pem", cert=d / "client.pem", key=d / "client-key.pem",
+                timeout=30) as client:
+        stream = client.stream(messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert "".join(stream) == stream.final.text
+    served, called = session_frame_ports(mesh.log_dir)
+    assert called["gateway"] & served["router"] and called["gateway"] & served["postprocessor"], (served, called)
+    assert called["router"] & served["worker"], (served, called)
+
+
+async def _empty() -> Any:
+    for message in ():
+        yield message
+
+
+@pytest.mark.parametrize(("tier", "identity", "allowed"), [
+    ("router", "client", False), ("worker", "client", False), ("postprocessor", "client", False),
+    ("worker", "gateway", False), ("worker", "operator", False),
+    ("router", "gateway", True), ("worker", "router", True), ("postprocessor", "gateway", True),
+])
+async def test_the_framed_listeners_hold_callers_to_the_policy(
+        mesh: Mesh, tier: str, identity: str, allowed: bool) -> None:
+    d = mesh.tls_dir
+    tls = TlsSettings(ca=str(d / "ca.pem"), cert=str(d / f"{identity}.pem"), key=str(d / f"{identity}-key.pem"))
+    address = _address(mesh, tier)
+    method = f"/{SERVICES[tier].full_name}/Session"
+    async with grpc.aio.secure_channel(address, client_credentials(tls)) as channel:
+        opener = SessionOpener(channel, address, tls=tls)
+        call = opener.open(method, channel.stream_stream(method), _empty(), postprocess_pb2.SessionResponse)
+        if allowed:
+            assert [r async for r in call] == []
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in call]
+            assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert call.framed
 
 
 @pytest.mark.parametrize("tier", sorted(SERVICES))
