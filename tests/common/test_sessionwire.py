@@ -63,7 +63,8 @@ class EchoSessions:
                     if sub.handle == 7:
                         self.blocking.set()
                         await asyncio.Event().wait()
-                    yield worker_pb2.SessionResponse(handles=[sub.handle], token_counts=[1], token_ids=[sub.handle])
+                    yield worker_pb2.SessionResponse(
+                        handles=[sub.handle], token_counts=[1], token_ids=[sub.handle])
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
@@ -190,7 +191,7 @@ async def test_a_connection_that_ends_without_end_of_input_cancels_the_handler()
     handler = EchoSessions()
     async with Peer(handler) as peer:
         assert peer.listener is not None
-        reader, writer = await asyncio.open_connection("127.0.0.1", peer.listener.port)
+        _, writer = await asyncio.open_connection("127.0.0.1", peer.listener.port)
         writer.write(PREFACE + frame(sessionwire.HELLO, METHOD.encode())
                      + frame(sessionwire.MESSAGE, submit(7).SerializeToString()))
         await asyncio.wait_for(handler.blocking.wait(), 5)
@@ -275,7 +276,8 @@ async def test_an_oversized_or_undecodable_message_is_refused() -> None:
     async with Peer(EchoSessions()) as peer:
         assert peer.listener is not None
         reader, writer = await asyncio.open_connection("127.0.0.1", peer.listener.port)
-        writer.write(PREFACE + frame(sessionwire.HELLO, METHOD.encode()) + frame(sessionwire.MESSAGE, b"\xff\xff"))
+        hello = PREFACE + frame(sessionwire.HELLO, METHOD.encode())
+        writer.write(hello + frame(sessionwire.MESSAGE, b"\xff\xff"))
         kind, payload = await asyncio.wait_for(sessionwire.read_frame(reader), 5)
         assert kind == sessionwire.STATUS
         status = sessionwire.status_pb2.Status.FromString(payload)
@@ -353,7 +355,8 @@ def test_a_tls_session_on_uvloop(certs: Path) -> None:
     async def session() -> list[int]:
         server_tls = TlsSettings(ca=str(certs / "ca.pem"), cert=str(certs / "worker.pem"),
                                  key=str(certs / "worker-key.pem"))
-        async with Peer(EchoSessions(), tls=server_tls, authorizer=CallerAuthorizer.build("worker")) as peer, \
+        authorizer = CallerAuthorizer.build("worker")
+        async with Peer(EchoSessions(), tls=server_tls, authorizer=authorizer) as peer, \
                 opener_for(peer, tls=_tls(certs, "router")) as opener:
             call = open_call(opener, messages(submit(1), submit(2)))
             handles = await handles_of(call)

@@ -51,7 +51,8 @@ async def test_every_session_hop_runs_over_frames_real_engine(engine_channel, en
     assert text == unary.text and final.usage.completion_tokens == unary.usage.completion_tokens
     served, called = session_frame_ports(engine_mesh.log_dir)
     assert served.keys() == {"worker", "router", "postprocessor"}, served
-    assert called["gateway"] & served["router"] and called["gateway"] & served["postprocessor"], (served, called)
+    assert called["gateway"] & served["router"], (served, called)
+    assert called["gateway"] & served["postprocessor"], (served, called)
     assert called["router"] & served["worker"], (served, called)
     logs = "".join(p.read_text(errors="replace") for p in engine_mesh.log_dir.glob("*.log"))
     assert "has no framed Session listener" not in logs

@@ -33,7 +33,6 @@ from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from llmesh.tokenizer.v1 import tokenizer_pb2
 from llmesh.up import Mesh, grpcurl_hint
 from llmesh.worker.v1 import worker_pb2
-
 from services.common.channels import client_credentials
 from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
@@ -122,7 +121,8 @@ def test_session_hops_run_over_mutual_tls_frames(mesh: Mesh) -> None:
         stream = client.stream(messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert "".join(stream) == stream.final.text
     served, called = session_frame_ports(mesh.log_dir)
-    assert called["gateway"] & served["router"] and called["gateway"] & served["postprocessor"], (served, called)
+    assert called["gateway"] & served["router"], (served, called)
+    assert called["gateway"] & served["postprocessor"], (served, called)
     assert called["router"] & served["worker"], (served, called)
 
 
@@ -139,7 +139,8 @@ async def _empty() -> Any:
 async def test_the_framed_listeners_hold_callers_to_the_policy(
         mesh: Mesh, tier: str, identity: str, allowed: bool) -> None:
     d = mesh.tls_dir
-    tls = TlsSettings(ca=str(d / "ca.pem"), cert=str(d / f"{identity}.pem"), key=str(d / f"{identity}-key.pem"))
+    tls = TlsSettings(ca=str(d / "ca.pem"), cert=str(d / f"{identity}.pem"),
+                      key=str(d / f"{identity}-key.pem"))
     address = _address(mesh, tier)
     method = f"/{SERVICES[tier].full_name}/Session"
     async with grpc.aio.secure_channel(address, client_credentials(tls)) as channel:
