@@ -34,9 +34,10 @@ ENV LLMESH_HOME=/home/llmesh/.cache/llmesh \
     VLLM_CPU_KVCACHE_SPACE=4
 USER 10001:10001
 WORKDIR /home/llmesh
-EXPOSE 50081 9090
+# gRPC 50081, Session frames 50082 (the router learns it from gRPC), metrics 9090.
+EXPOSE 50081 50082 9090
 # Loading and warming the engine takes minutes on CPU.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["llmesh-healthcheck", "--readiness"]
 ENTRYPOINT ["llmesh", "worker"]
-CMD ["--device=cpu", "--host=0.0.0.0", "--port=50081", "--metrics-port=9090"]
+CMD ["--device=cpu", "--host=0.0.0.0", "--port=50081", "--session-port=50082", "--metrics-port=9090"]

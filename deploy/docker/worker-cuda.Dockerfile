@@ -26,8 +26,9 @@ ENV LLMESH_HOME=/home/llmesh/.cache/llmesh \
     PYTHONUNBUFFERED=1
 USER 10001:10001
 WORKDIR /home/llmesh
-EXPOSE 50081 9090
+# gRPC 50081, Session frames 50082 (the router learns it from gRPC), metrics 9090.
+EXPOSE 50081 50082 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=3 \
     CMD ["llmesh-healthcheck", "--readiness"]
 ENTRYPOINT ["llmesh", "worker"]
-CMD ["--device=cuda", "--host=0.0.0.0", "--port=50081", "--metrics-port=9090"]
+CMD ["--device=cuda", "--host=0.0.0.0", "--port=50081", "--session-port=50082", "--metrics-port=9090"]

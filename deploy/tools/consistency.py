@@ -13,6 +13,12 @@ every tier reads with --mesh-config; nothing here compares copies of it. What is
 - the server listens on the pod network (host 0.0.0.0) on the container's ``grpc`` port,
   with metrics on its ``metrics`` port; gRPC probes use that port: liveness asks for
   service "" and readiness for the tier's full service name (from the proto descriptors);
+- a tier whose service has a ``Session`` method (from the proto descriptors) runs its
+  framed Session listener on a fixed ``--session-port`` (callers learn it from the gRPC
+  port and dial the same host, so a free port would be in no Service and no policy) that
+  is the container's ``session`` port; every Service exposing its gRPC port exposes that
+  port too, under the same number, and every NetworkPolicy rule that lets peers reach its
+  gRPC port lets them reach the session port as well (and no rule only one of them);
 - every Service's selector matches a workload and its target ports exist; every HPA
   scales an existing workload that leaves ``spec.replicas`` to it; every PDB selects a
   workload; every ConfigMap, Secret, PVC and ServiceAccount a pod names exists;
@@ -117,6 +123,18 @@ def readiness_service(tier: str) -> str:
     spec = TIERS[tier]
     module = importlib.import_module(spec.proto_module)
     return str(module.DESCRIPTOR.services_by_name[spec.service].full_name)
+
+
+SESSION_METHOD = "Session"
+SESSION_PORT_NAME = "session"
+
+
+def serves_session(tier: str) -> bool:
+    """Whether the tier's service has a ``Session`` method, which it then also serves as
+    frames on a port of its own (services/common/sessionwire.py)."""
+    spec = TIERS[tier]
+    module = importlib.import_module(spec.proto_module)
+    return SESSION_METHOD in module.DESCRIPTOR.services_by_name[spec.service].methods_by_name
 
 
 def tier_parser(tier: str) -> argparse.ArgumentParser:
@@ -332,6 +350,7 @@ def check_invocation(inv: Invocation, report: Report, stack: contextlib.ExitStac
             f"{inv.where}: containerPort metrics={ports.get('metrics')} "
             f"but --metrics-port={settings.metrics_port}"
         )
+    check_session_port(inv, ports, report)
     ready_name = readiness_service(inv.tier)
     for probe_name, expected in (("livenessProbe", ""), ("startupProbe", ""), ("readinessProbe", ready_name)):
         probe = inv.container.get(probe_name)
@@ -358,11 +377,55 @@ def check_invocation(inv: Invocation, report: Report, stack: contextlib.ExitStac
             report.problems.append(f"{inv.where}: {probe_name} must be a gRPC or llmesh-healthcheck probe")
 
 
+def check_session_port(inv: Invocation, ports: dict[Any, Any], report: Report) -> None:
+    """A Session tier's listener port is fixed, declared as its ``session`` port and clear
+    of its other ports; other tiers declare no ``session`` port (nothing would listen)."""
+    settings = inv.settings
+    if not serves_session(inv.tier):
+        if SESSION_PORT_NAME in ports:
+            report.problems.append(f"{inv.where}: containerPort {SESSION_PORT_NAME} but `llmesh {inv.tier}` "
+                                   "serves no Session")
+        return
+    port = settings.session_port
+    if port <= 0:
+        meaning = "picks a free port" if port == 0 else "serves Session over gRPC only"
+        report.problems.append(
+            f"{inv.where}: --session-port={port} {meaning}; give the framed Session listener a fixed "
+            f"port (in the Service and NetworkPolicies, like the gRPC port)"
+        )
+    if ports.get(SESSION_PORT_NAME) != port:
+        report.problems.append(f"{inv.where}: containerPort {SESSION_PORT_NAME}="
+                               f"{ports.get(SESSION_PORT_NAME)} but --session-port={port}")
+    taken = {settings.port: "--port"}
+    if settings.metrics_port > 0:
+        for i in range(settings.processes):
+            taken[settings.metrics_port + i] = "--metrics-port" + (f" + {i}" if i else "")
+    if port > 0 and port in taken:
+        report.problems.append(f"{inv.where}: --session-port={port} is also {taken[port]}")
+
+
 # ---------------------------------------------------------------------------- objects
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, Any]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def label_selector_matches(selector: dict[str, Any] | None, labels: dict[str, Any]) -> bool:
+    """A Kubernetes LabelSelector (matchLabels and matchExpressions); {} matches all."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        value, op = labels.get(expr["key"]), expr["operator"]
+        if (
+            (op == "In" and value not in expr["values"])
+            or (op == "NotIn" and value in expr["values"])
+            or (op == "Exists" and value is None)
+            or (op == "DoesNotExist" and value is not None)
+        ):
+            return False
+    return True
 
 
 def _template_labels(workload: dict[str, Any]) -> dict[str, Any]:
@@ -430,6 +493,72 @@ def _reference_slots(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any],
                 yield "Secret", value_from["secretKeyRef"], "name"
 
 
+def _service_port_reaches(port: dict[str, Any], name: str, number: int) -> bool:
+    """Whether a Service port forwards to the container port ``name``/``number``."""
+    target = port.get("targetPort", port.get("port"))
+    return target in (name, number)
+
+
+def _policy_port_covers(entry: dict[str, Any], name: str, number: int) -> bool:
+    """Whether one ``ports`` entry of a NetworkPolicy rule admits the container port."""
+    if entry.get("protocol", "TCP") != "TCP":
+        return False
+    value = entry.get("port")
+    if value is None:
+        return True  # every port of the protocol
+    if isinstance(value, str):
+        return value == name
+    return int(value) <= number <= int(entry.get("endPort", value))
+
+
+def check_session_reach(objects: list[dict[str, Any]], runs: list[Invocation], where: str,
+                        report: Report) -> None:
+    """Callers reach a Session tier's listener as they reach its gRPC port: on the same
+    host (so every Service with the gRPC port has the session port, under the number
+    GetSessionEndpoint reports) and through the same NetworkPolicy rules."""
+    tiers = [inv for inv in runs if inv.settings is not None and serves_session(inv.tier)
+             and inv.settings.session_port > 0]
+    for inv in tiers:
+        labels = _template_labels(inv.workload)
+        grpc_port, session_port = inv.settings.port, inv.settings.session_port
+        for svc in (o for o in objects if o["kind"] == "Service"):
+            if not _selects((svc.get("spec") or {}).get("selector") or {}, labels):
+                continue
+            ports = svc["spec"].get("ports", []) or []
+            if not any(_service_port_reaches(p, "grpc", grpc_port) for p in ports):
+                continue
+            session = [p for p in ports if _service_port_reaches(p, SESSION_PORT_NAME, session_port)]
+            name = f"{where}: Service/{svc['metadata']['name']}"
+            if not session:
+                report.problems.append(f"{name} exposes the gRPC port of {inv.tier} but not its session port "
+                                       f"{session_port} (callers dial the same host on it)")
+            elif all(p.get("port") != session_port for p in session):
+                report.problems.append(
+                    f"{name}: session port {[p.get('port') for p in session]} is not {session_port}, "
+                    f"the port {inv.tier} reports (callers dial that number)"
+                )
+        for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+            spec = policy.get("spec") or {}
+            if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+                continue
+            if not label_selector_matches(spec.get("podSelector"), labels):
+                continue
+            for i, rule in enumerate(spec.get("ingress") or []):
+                entries = rule.get("ports") or []
+                if not entries:
+                    continue  # every port: both are in
+                grpc_in = any(_policy_port_covers(e, "grpc", grpc_port) for e in entries)
+                session_in = any(_policy_port_covers(e, SESSION_PORT_NAME, session_port) for e in entries)
+                if grpc_in != session_in:
+                    has, lacks = (("gRPC", grpc_port), ("session", session_port)) if grpc_in else (
+                        ("session", session_port), ("gRPC", grpc_port))
+                    report.problems.append(
+                        f"{where}: NetworkPolicy/{policy['metadata']['name']} ingress[{i}] lets peers reach "
+                        f"the {has[0]} port {has[1]} of {inv.workload['metadata']['name']} but not its "
+                        f"{lacks[0]} port {lacks[1]}"
+                    )
+
+
 def check_mesh(objects: list[dict[str, Any]], runs: list[Invocation], where: str, report: Report) -> None:
     """The mesh config the pods read against the pods that exist: every worker entry has
     its pool, reached through a headless Service at its address; the ladder covers it."""
@@ -480,6 +609,7 @@ def check_objects(objects: list[dict[str, Any]], where: str) -> Report:
         for inv in runs:
             check_invocation(inv, report, stack)
     check_wiring(objects, where, report)
+    check_session_reach(objects, runs, where, report)
     if not report.unchecked:
         check_mesh(objects, runs, where, report)
     return report

@@ -1,5 +1,6 @@
 """Fixtures for the deployment tests: every kustomization, rendered by the real kustomize
-(``kubectl kustomize``), and the tiers' settings as each container builds them."""
+(``kubectl kustomize``), the tiers' settings as each container builds them, and what
+NetworkPolicies let through."""
 
 from __future__ import annotations
 
@@ -62,3 +63,43 @@ def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]
     matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
     assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
     return matches[0]
+
+
+selector_matches = consistency.label_selector_matches
+"""A Kubernetes LabelSelector (matchLabels and matchExpressions); {} matches all."""
+
+
+def ingress_allowed(
+    policies: list[dict[str, Any]],
+    namespace: str,
+    src: dict[str, str],
+    src_ns: dict[str, str],
+    src_ns_name: str,
+    dst: dict[str, str],
+    port: int,
+) -> bool:
+    """Whether NetworkPolicies let a pod (labels src, in a namespace) reach dst:port."""
+    selecting = [
+        p
+        for p in policies
+        if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+        and selector_matches(p["spec"]["podSelector"], dst)
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
+                continue
+            peers = rule.get("from")
+            if not peers:
+                return True
+            for peer in peers:
+                pod_ok = "podSelector" not in peer or selector_matches(peer["podSelector"], src)
+                if "namespaceSelector" in peer:
+                    ns_ok = selector_matches(peer["namespaceSelector"], src_ns)
+                else:
+                    ns_ok = src_ns_name == namespace
+                if pod_ok and ns_ok:
+                    return True
+    return False

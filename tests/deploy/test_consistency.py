@@ -222,3 +222,73 @@ def test_worker_device_and_engine_choices_are_checked(prod: list[dict[str, Any]]
     found = problems(objects)
     assert any("--device=ascend is not one of auto, cpu, cuda, npu" in p for p in found)
     assert any("--engine=fake is a test engine" in p for p in found)
+
+
+def test_session_tiers_are_found_from_the_protos() -> None:
+    assert {t for t in consistency.TIERS if consistency.serves_session(t)} == {
+        "postprocessor", "router", "worker"}
+
+
+def replace_arg(objects: list[dict[str, Any]], deployment: str, old: str, new: str | None) -> None:
+    args = container(objects, deployment)["args"]
+    index = args.index(old)
+    if new is None:
+        del args[index]
+    else:
+        args[index] = new
+
+
+def test_session_port_must_be_fixed_and_declared(prod: list[dict[str, Any]]) -> None:
+    objects = copy.deepcopy(prod)
+    replace_arg(objects, "llmesh-router", "--session-port=50072", "--session-port=0")
+    replace_arg(objects, "llmesh-worker-zone-a", "--session-port=50082", None)  # default: a free port
+    replace_arg(objects, "llmesh-worker-zone-b", "--session-port=50082", "--session-port=-1")
+    ports = container(objects, "llmesh-postprocessor")["ports"]
+    next(p for p in ports if p["name"] == "session")["containerPort"] = 50064
+    container(objects, "llmesh-tokenizer")["ports"].append(
+        {"name": "session", "containerPort": 50060, "protocol": "TCP"})
+    replace_arg(objects, "llmesh-worker-kunpeng", "--session-port=50082", "--session-port=9090")
+    found = problems(objects)
+    assert any("llmesh-router container router: --session-port=0 picks a free port" in p for p in found)
+    assert any("llmesh-router container router: containerPort session=50072 but --session-port=0" in p
+               for p in found)
+    assert any("llmesh-worker-zone-a container worker: --session-port=0 picks a free port" in p
+               for p in found)
+    assert any("llmesh-worker-zone-b container worker: --session-port=-1 serves Session over gRPC only" in p
+               for p in found)
+    assert any("llmesh-postprocessor container postprocessor: containerPort session=50064 but "
+               "--session-port=50063" in p for p in found)
+    assert any("llmesh-tokenizer container tokenizer: containerPort session but `llmesh tokenizer` "
+               "serves no Session" in p for p in found)
+    assert any("llmesh-worker-kunpeng container worker: --session-port=9090 is also --metrics-port" in p
+               for p in found)
+
+
+def test_session_port_must_be_where_the_grpc_port_is(prod: list[dict[str, Any]]) -> None:
+    """Every Service with a Session tier's gRPC port has its session port (same number as
+    the process reports), and every policy rule admitting one admits the other."""
+    objects = copy.deepcopy(prod)
+    router_svc = named(objects, "Service", "llmesh-router")["spec"]
+    router_svc["ports"] = [p for p in router_svc["ports"] if p["name"] != "session"]
+    post_svc = named(objects, "Service", "llmesh-postprocessor")["spec"]
+    next(p for p in post_svc["ports"] if p["name"] == "session")["port"] = 60063
+    workers = named(objects, "NetworkPolicy", "llmesh-workers-from-router")["spec"]["ingress"][0]
+    workers["ports"] = [p for p in workers["ports"] if p["port"] != 50082]
+    tiers = named(objects, "NetworkPolicy", "llmesh-tiers-from-gateway")["spec"]["ingress"][0]
+    tiers["ports"] = [p for p in tiers["ports"] if p["port"] != 50071]
+    found = problems(objects)
+    assert any("Service/llmesh-router exposes the gRPC port of router but not its session port 50072" in p
+               for p in found)
+    assert any("Service/llmesh-postprocessor: session port [60063] is not 50063" in p for p in found)
+    for pool in ("zone-a", "zone-b", "kunpeng"):
+        assert any(f"NetworkPolicy/llmesh-workers-from-router ingress[0] lets peers reach the gRPC port "
+                   f"50081 of llmesh-worker-{pool} but not its session port 50082" in p for p in found)
+    assert any("NetworkPolicy/llmesh-tiers-from-gateway ingress[0] lets peers reach the session port "
+               "50072 of llmesh-router but not its gRPC port 50071" in p for p in found)
+    assert not any("llmesh-postprocessor but not" in p for p in found)
+    # Named ports and port ranges count as the numbers they stand for.
+    objects = copy.deepcopy(prod)
+    workers = named(objects, "NetworkPolicy", "llmesh-workers-from-router")["spec"]["ingress"][0]
+    workers["ports"] = [{"port": "grpc", "protocol": "TCP"},
+                        {"port": 50082, "endPort": 50090, "protocol": "TCP"}]
+    assert problems(objects) == []

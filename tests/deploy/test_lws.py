@@ -2,7 +2,7 @@
 kustomize, validated against the vendored LWS CRD schema, and what they promise: the leader
 runs `llmesh worker` as the engine's head, followers join it through LWS_LEADER_ADDRESS,
 whole accelerator nodes per pod, readiness gated on the whole group, one router-facing
-address per group."""
+address per group (gRPC and Session frames), which the router may reach."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ ZONES = {
     "zone-b-npu": ("zone-b", "npu", "huawei.com/Ascend910", 8),
 }
 LEADER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+GRPC_PORT, SESSION_PORT = 50081, 50082
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +225,12 @@ def test_router_sees_one_worker_per_group(name: str, rendered: dict) -> None:
     for key, value in selector.items():
         assert leader["metadata"]["labels"][key] == value
         assert worker["metadata"]["labels"][key] == value
-    assert [p["port"] for p in svc["spec"]["ports"]] == [50081]
+    # gRPC, and the framed Session listener the router learns from it and dials on the
+    # same leader address.
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+        "grpc": (GRPC_PORT, "grpc"), "session": (SESSION_PORT, "session")}
+    ports = {p["name"]: p["containerPort"] for p in leader["spec"]["containers"][0]["ports"]}
+    assert (ports["grpc"], ports["session"]) == (GRPC_PORT, SESSION_PORT)
 
 
 def test_pdb_lets_one_pod_hence_one_group_go(rendered: dict) -> None:
@@ -275,6 +281,29 @@ def test_leader_settings_accept_the_group_environment(name: str, rendered: dict,
     check_parallel_settings(settings)
     zone, device, _, _ = ZONES[name]
     assert (settings.zone, settings.device, settings.host, settings.port) == (zone, device, "0.0.0.0", 50081)
+    assert settings.session_port == SESSION_PORT  # fixed: in the leader Service and the policies
     assert settings.data_parallel_size == int(env["LLMESH_WORKER_DATA_PARALLEL_SIZE"])
     assert settings.data_parallel_address == "10.0.0.1" and settings.data_parallel_start_rank is None
     assert settings.enable_expert_parallel and not settings.enforce_eager
+
+
+@pytest.mark.parametrize("name", ZONES)
+def test_the_router_may_reach_the_leader_as_any_worker(name: str, rendered: dict) -> None:
+    """The base's policies (deny by default, workers answer the router) select the leader
+    as a worker: the router reaches its gRPC and Session ports, the gateway neither."""
+    from deploy.tools import kustomize
+    from tests.deploy.conftest import ingress_allowed, named
+
+    base = kustomize.build(REPO / "deploy" / "k8s" / "base")
+    policies = [o for o in base if o["kind"] == "NetworkPolicy"]
+    policies += [o for o in rendered[name] if o["kind"] == "NetworkPolicy"]
+    leader, _ = templates(one(rendered[name], "LeaderWorkerSet"))
+    labels = leader["metadata"]["labels"]
+    mesh = {"kubernetes.io/metadata.name": "llmesh"}
+
+    def pod(tier: str) -> dict[str, str]:
+        return dict(named(base, "Deployment", f"llmesh-{tier}")["spec"]["template"]["metadata"]["labels"])
+
+    for port in (GRPC_PORT, SESSION_PORT):
+        assert ingress_allowed(policies, "llmesh", pod("router"), mesh, "llmesh", labels, port), port
+        assert not ingress_allowed(policies, "llmesh", pod("gateway"), mesh, "llmesh", labels, port), port

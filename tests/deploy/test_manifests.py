@@ -22,15 +22,20 @@ from tests.deploy.conftest import (
     K8S,
     built_settings,
     by_kind,
+    ingress_allowed,
     kustomization_dirs,
     named,
     overlay_dirs,
     rel,
+    selector_matches,
 )
 
 KUSTOMIZATIONS = [rel(d) for d in kustomization_dirs()]
 OVERLAYS = [rel(d) for d in overlay_dirs()]
 CPU_TIERS = ("gateway", "tokenizer", "postprocessor", "router")
+# The framed Session listener of each tier that serves Session, next to its gRPC port
+# (postprocessor 50062, router 50071, worker 50081); deploy/k8s/README.md lists them.
+SESSION_PORTS = {"postprocessor": 50063, "router": 50072, "worker": 50082}
 MESH_CONFIG = "--mesh-config=/etc/llmesh/config/llmesh.yaml"
 
 
@@ -122,12 +127,12 @@ def test_validate_cli_renders_and_checks_every_kustomization() -> None:
 # ---------------------------------------------------------------------------- one mesh config
 
 # What a Deployment's arguments may still say: who the pod is (a worker's zone and device)
-# and how the pod is wired (ports matching containerPort and probes, processes matching its
-# CPU and metrics ports, drain time matching terminationGracePeriodSeconds, files mounted
-# from volumes). Everything else is llmesh.yaml.
-POD_FLAGS = {"--host", "--port", "--metrics-port", "--processes", "--grace-seconds", "--log-format",
-             "--mesh-config", "--tenants-file", "--tls-cert", "--tls-key", "--tls-client-ca",
-             "--downstream-tls-ca", "--downstream-tls-cert", "--downstream-tls-key"}
+# and how the pod is wired (ports matching containerPort, probes, Services and policies,
+# processes matching its CPU and metrics ports, drain time matching
+# terminationGracePeriodSeconds, files mounted from volumes). Everything else is llmesh.yaml.
+POD_FLAGS = {"--host", "--port", "--session-port", "--metrics-port", "--processes", "--grace-seconds",
+             "--log-format", "--mesh-config", "--tenants-file", "--tls-cert", "--tls-key",
+             "--tls-client-ca", "--downstream-tls-ca", "--downstream-tls-cert", "--downstream-tls-key"}
 IDENTITY_FLAGS = {"--zone", "--device"}
 
 
@@ -379,65 +384,49 @@ def test_generated_config_and_tenant_secret_are_wired_into_the_gateway(overlay: 
 # ---------------------------------------------------------------------------- network
 
 
-def selector_matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
-    """A Kubernetes LabelSelector (matchLabels and matchExpressions); {} matches all."""
-    selector = selector or {}
-    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
-        return False
-    for expr in selector.get("matchExpressions") or []:
-        value, op = labels.get(expr["key"]), expr["operator"]
-        if (
-            (op == "In" and value not in expr["values"])
-            or (op == "NotIn" and value in expr["values"])
-            or (op == "Exists" and value is None)
-            or (op == "DoesNotExist" and value is not None)
-        ):
-            return False
-    return True
+def test_session_ports_are_those_of_the_tiers_that_serve_session() -> None:
+    assert {t for t in consistency.TIERS if consistency.serves_session(t)} == set(SESSION_PORTS)
 
 
-def ingress_allowed(
-    policies: list[dict[str, Any]],
-    namespace: str,
-    src: dict[str, str],
-    src_ns: dict[str, str],
-    src_ns_name: str,
-    dst: dict[str, str],
-    port: int,
-) -> bool:
-    """Whether NetworkPolicies let a pod (labels src, in a namespace) reach dst:port."""
-    selecting = [
-        p
-        for p in policies
-        if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-        and selector_matches(p["spec"]["podSelector"], dst)
-    ]
-    if not selecting:
-        return True
-    for policy in selecting:
-        for rule in policy["spec"].get("ingress") or []:
-            if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
-                continue
-            peers = rule.get("from")
-            if not peers:
-                return True
-            for peer in peers:
-                pod_ok = "podSelector" not in peer or selector_matches(peer["podSelector"], src)
-                if "namespaceSelector" in peer:
-                    ns_ok = selector_matches(peer["namespaceSelector"], src_ns)
-                else:
-                    ns_ok = src_ns_name == namespace
-                if pod_ok and ns_ok:
-                    return True
-    return False
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_session_tiers_listen_on_a_fixed_port_their_service_exposes(overlay: str, rendered: dict) -> None:
+    """Callers learn the framed Session port from the gRPC port and dial the host they use
+    for gRPC (the tier's Service): the process, its container and its Service agree on one
+    fixed port per tier; tiers without Session have none."""
+    objects = rendered[overlay]
+    with built_settings(objects) as built:
+        settings = dict(built)
+    seen = set()
+    for dep in by_kind(objects, "Deployment"):
+        name = dep["metadata"]["name"]
+        tier = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        service_ports = {p["name"]: p for p in named(objects, "Service", name)["spec"]["ports"]}
+        if tier not in SESSION_PORTS:
+            assert "session" not in ports and "session" not in service_ports, name
+            assert not any(a.startswith("--session-port") for a in container["args"]), name
+            continue
+        seen.add(tier)
+        assert settings[name].session_port == ports["session"] == SESSION_PORTS[tier], name
+        assert f"--session-port={SESSION_PORTS[tier]}" in container["args"], name
+        assert service_ports["session"]["port"] == SESSION_PORTS[tier], name
+        assert service_ports["session"]["targetPort"] == "session", name
+        assert service_ports["session"]["protocol"] == "TCP", name
+    assert seen == set(SESSION_PORTS)
+
 
 
 def call_graph(objects: list[dict[str, Any]], where: str) -> set[tuple[str, str, int]]:
-    """(caller component, callee Service, port) for every address a tier's settings dial."""
+    """(caller component, callee Service, port) for every address a tier's settings dial,
+    and, where the callee serves Session, its session port: callers ask the gRPC port for
+    it and dial the same host (sessionwire.SessionOpener), i.e. the same Service."""
     report = consistency.Report()
     edges: set[tuple[str, str, int]] = set()
     stack = contextlib.ExitStack()
-    for inv in consistency.invocations(objects, where, report):
+    runs = consistency.invocations(objects, where, report)
+    services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
+    for inv in runs:
         consistency.check_invocation(inv, report, stack)
         settings = inv.settings
         targets: list[str] = []
@@ -449,6 +438,15 @@ def call_graph(objects: list[dict[str, Any]], where: str) -> set[tuple[str, str,
         for target in targets:
             host, _, port = target.removeprefix("dns:///").rpartition(":")
             edges.add((inv.tier, host.split(".")[0], int(port)))
+    for caller, service, grpc_port in list(edges):
+        if service not in services:
+            continue
+        selector = {"matchLabels": services[service]["spec"]["selector"]}
+        for callee in runs:
+            labels = callee.workload["spec"]["template"]["metadata"]["labels"]
+            if (callee.settings is not None and callee.settings.port == grpc_port
+                    and consistency.serves_session(callee.tier) and selector_matches(selector, labels)):
+                edges.add((caller, service, callee.settings.session_port))
     stack.close()
     assert not report.problems, report.problems
     return edges
@@ -468,6 +466,9 @@ def test_network_policies_allow_exactly_the_mesh_calls(overlay: str, rendered: d
     services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
     edges = call_graph(objects, overlay)
     assert ("gateway", "llmesh-router", 50071) in edges and any(e[0] == "router" for e in edges)
+    # Session frames on the callee's own port, from the same callers as its gRPC port.
+    assert {("gateway", "llmesh-router", 50072), ("gateway", "llmesh-postprocessor", 50063)} <= edges
+    assert ("router", "llmesh-worker-kunpeng", 50082) in edges
 
     def allowed(src_pod: str, dst_pod: str, port: int) -> bool:
         return ingress_allowed(policies, namespace, pods[src_pod], mesh_ns, namespace, pods[dst_pod], port)
