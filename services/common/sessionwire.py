@@ -77,6 +77,9 @@ DEAD_AFTER_S = 2.0
 """A caller that has heard nothing (no frame, no pong) for this long gives up the connection."""
 ENDPOINT_TIMEOUT_S = 5.0
 """Longest wait for a peer's answer to GetSessionEndpoint."""
+CONNECT_TIMEOUT_S = 3.0
+"""Longest wait for a connection (and TLS handshake) to the listener: a port a network
+policy drops silently is given up for gRPC in this time, not in the kernel's minutes."""
 NO_LISTENER_RECHECK_S = 60.0
 """How long a peer found without a listener is called over gRPC before it is asked again."""
 
@@ -545,10 +548,11 @@ class FramedCall:
         port = await opener.port()
         if port:
             try:
-                reader, writer = await opener.connect(port)
-            except (OSError, ssl.SSLError) as exc:
+                async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                    reader, writer = await opener.connect(port)
+            except (OSError, ssl.SSLError, TimeoutError) as exc:
                 log.warning("session listener %s:%d of %s refused the connection (%s): over gRPC",
-                            opener.host, port, opener.target, exc)
+                            opener.host, port, opener.target, exc or type(exc).__name__)
                 opener.forget()
             else:
                 writer.write(PREFACE + frame(HELLO, self._method.encode()))

@@ -261,6 +261,20 @@ async def test_a_listener_port_that_refuses_falls_back_to_grpc() -> None:
         assert not call.framed and opener.grpc_calls == 1
 
 
+async def test_a_listener_that_never_accepts_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port a network policy drops silently: given up after CONNECT_TIMEOUT_S."""
+    monkeypatch.setattr(sessionwire, "CONNECT_TIMEOUT_S", 0.2)
+
+    async def dropped(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.Event().wait()
+
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        monkeypatch.setattr(opener, "connect", dropped)
+        call = open_call(opener, messages(submit(8)))
+        assert await asyncio.wait_for(handles_of(call), 5) == [8]
+        assert not call.framed and opener.grpc_calls == 1
+
+
 async def test_a_connection_without_the_preface_is_dropped() -> None:
     handler = EchoSessions()
     async with Peer(handler) as peer:
