@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -351,9 +350,16 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = run_dir()
     log_dir = Path(args.log_dir) if args.log_dir else state_dir / "logs"
     state_dir.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # The handlers only flip a flag: a threading.Event set from a signal handler deadlocks
+    # when a second signal lands while the first handler holds the Event's lock (pkill
+    # and then timeout's SIGTERM, Ctrl-C pressed twice).
+    stop = {"signalled": False}
+
+    def stop_on_signal(signum: int, frame: object) -> None:
+        stop["signalled"] = True
+
+    signal.signal(signal.SIGTERM, stop_on_signal)
+    signal.signal(signal.SIGINT, stop_on_signal)
     mesh = Mesh(config, log_dir=log_dir)
     state_path = state_dir / STATE_FILE
     print(f"llmesh up: starting the mesh on {mesh.model_name} (logs in {log_dir})", file=sys.stderr)
@@ -368,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"try:  {grpcurl_hint(config, mesh.tls_dir)}")
         status_as = " (as operator.pem)" if config.tls.enabled and config.tls.mutual else ""
         print(f"status: llmesh status{status_as}    stop: Ctrl-C", flush=True)
-        while not stop.wait(1.0):
+        checked = 0.0
+        while not stop["signalled"]:
+            time.sleep(0.1)
+            if time.monotonic() - checked < 1.0:
+                continue
+            checked = time.monotonic()
             for proc in mesh.procs:
                 if not proc.alive() and not proc.extra.get("reported"):
                     proc.extra["reported"] = True

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,22 +56,13 @@ def test_a_tier_whose_port_was_taken_is_restarted_on_another(
         squatter.close()
 
 
-def test_llmesh_up_process_serves_reports_status_and_stops_on_ctrl_c(tiny_deepseek_dir: Path,
-                                                                      tmp_path: Path) -> None:
-    """`make run`'s last step as a user runs it: `llmesh up`, wait for the endpoints, ask
-    `llmesh status`, generate, then Ctrl-C (SIGINT): exit 0 and no tier left running."""
-    import json
-    import os
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
+@contextlib.contextmanager
+def _llmesh_up(tiny_deepseek_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int,
+                                                                        dict[str, str], list[str]]]:
+    """`llmesh up` on a fake-engine mesh, as a user starts it, once it printed its endpoints:
+    the process, the gateway port, its environment and what it printed; killed if still
+    running at the end."""
     import yaml
-
-    from llmesh.client import Client
 
     llmesh = shutil.which("llmesh", path=str(Path(sys.executable).parent)) or shutil.which("llmesh")
     assert llmesh
@@ -88,7 +89,47 @@ def test_llmesh_up_process_serves_reports_status_and_stops_on_ctrl_c(tiny_deepse
     reader.start()
     try:
         assert ready.wait(180), f"llmesh up did not come up: {''.join(lines)}"
+        yield proc, port, env, lines
+    finally:
+        if proc.poll() is None:
+            # A test that failed with `llmesh up` still running: its tiers go too, not
+            # only the process that would have stopped them.
+            for state in (tmp_path / "home" / "run").glob("*.json"):
+                for entry in json.loads(state.read_text()).get("processes", []):
+                    with contextlib.suppress(ProcessLookupError, ValueError, KeyError):
+                        os.kill(int(entry["pid"]), signal.SIGKILL)
+            proc.kill()
+            proc.wait(10)
+
+
+def _tier_pids(env: dict[str, str]) -> list[int]:
+    llmesh = shutil.which("llmesh", path=str(Path(sys.executable).parent)) or shutil.which("llmesh")
+    assert llmesh
+    status = subprocess.run([llmesh, "status"], env=env, capture_output=True, text=True, timeout=60,
+                            check=True)
+    return [int(p["pid"]) for p in json.loads(status.stdout)["processes"]]
+
+
+def _all_gone(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` still running after up to 20 s."""
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.2)
+    return alive
+
+
+def test_llmesh_up_process_serves_reports_status_and_stops_on_ctrl_c(tiny_deepseek_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """`make run`'s last step as a user runs it: `llmesh up`, wait for the endpoints, ask
+    `llmesh status`, generate, then Ctrl-C (SIGINT): exit 0 and no tier left running."""
+    from llmesh.client import Client
+
+    with _llmesh_up(tiny_deepseek_dir, tmp_path) as (proc, port, env, lines):
         assert any(f"gateway 127.0.0.1:{port} (plaintext)" in line for line in lines)
+        llmesh = shutil.which("llmesh", path=str(Path(sys.executable).parent)) or shutil.which("llmesh")
+        assert llmesh
         status = subprocess.run([llmesh, "status"], env=env, capture_output=True, text=True, timeout=60,
                                 check=True)
         state = json.loads(status.stdout)
@@ -101,23 +142,26 @@ def test_llmesh_up_process_serves_reports_status_and_stops_on_ctrl_c(tiny_deepse
         pids = [int(p["pid"]) for p in state["processes"]]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
-        deadline = time.monotonic() + 20
-        alive = pids
-        while alive and time.monotonic() < deadline:
-            alive = [pid for pid in alive if _running(pid)]
-            time.sleep(0.2)
-        assert alive == [], f"tiers still running after Ctrl-C: {alive}"
+        assert _all_gone(pids) == [], "tiers still running after Ctrl-C"
         state_file = tmp_path / "home" / "run"
         assert not any(state_file.glob("*.json")), "llmesh up left its state file behind"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+
+
+def test_llmesh_up_stops_on_a_burst_of_signals(tiny_deepseek_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM after SIGTERM (pkill, then a supervisor's timeout; Ctrl-C pressed again):
+    `llmesh up` still stops the mesh and exits. Setting a threading.Event from the signal
+    handler deadlocked when a second signal interrupted the first handler."""
+    with _llmesh_up(tiny_deepseek_dir, tmp_path) as (proc, _, env, _):
+        pids = _tier_pids(env)
+        for _ in range(2000):
+            if proc.poll() is not None:
+                break
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        assert _all_gone(pids) == [], "tiers still running after SIGTERM"
 
 
 def _running(pid: int) -> bool:
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
