@@ -104,6 +104,11 @@ class BenchOptions:
     stream_interval: int = 1
     stream_max_delay_ms: int = 0
     gateway_processes: int = 1
+    capacity_idle_s: float = 5.0
+    """Seconds the capacity mesh is measured idle (warmed up, no load) before the load."""
+    capacity_protocol: str = "grpc"
+    """How the capacity load reaches the gateway: ``grpc`` (GenerateStream) or ``http``
+    (the OpenAI streaming completions, as the real-engine phase drives it)."""
     worker_transport: str = field(default_factory=router_worker_transport)
     """The router's worker_transport in every mesh the bench starts (session or calls);
     the router's own default unless set."""
@@ -574,8 +579,9 @@ class _SpreadDriver:
 def run_capacity(opts: BenchOptions) -> dict[str, Any]:
     """The serving layer's own cost: the whole mesh over the step-based fake engine.
 
-    ``capacity_streams`` concurrent GenerateStream calls of ``capacity_tokens`` tokens
-    each (ignore_eos, greedy), the fake producing one token per running request every
+    ``capacity_streams`` concurrent streams (GenerateStream calls, or streamed HTTP
+    completions with ``capacity_protocol`` http) of ``capacity_tokens`` tokens each
+    (ignore_eos, greedy), the fake producing one token per running request every
     ``capacity_step_ms``, as an accelerator does per engine step. Reports tokens/s to the
     client and CPU microseconds per output token of every tier (from /proc, user+system,
     each tier's whole process tree); the load generator's own CPU is not counted.
@@ -590,28 +596,49 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
     total = opts.capacity_streams * opts.capacity_requests_per_stream
     requests = make_workload(total, seed=opts.seed + 777, spec=spec)
     print(f"llmesh bench: capacity, fake engine {opts.capacity_step_ms:g} ms per step, "
-          f"{opts.capacity_streams} streams x {opts.capacity_tokens} tokens, stream interval "
-          f"{opts.stream_interval}, {opts.gateway_processes} gateway process(es)", file=sys.stderr)
+          f"{opts.capacity_streams} streams x {opts.capacity_tokens} tokens over {opts.capacity_protocol}, "
+          f"stream interval {opts.stream_interval}, {opts.gateway_processes} gateway process(es)",
+          file=sys.stderr)
     with _started_mesh(config, opts.log_dir / "capacity") as mesh:
         cpu = CpuMeter(_mesh_cpu_groups(mesh.state()["processes"]))
         # With several gateway processes the driver opens several connections (the kernel
         # gives each to one process); one connection would load one process only.
         target = f"{config.gateway.host}:{config.gateway.port}"
-        driver: Any = (LlmeshGrpcDriver(target, opts.model_name) if opts.gateway_processes == 1 else
-                       _SpreadDriver([_OwnConnectionDriver(target, opts.model_name)
-                                      for _ in range(16 * opts.gateway_processes)]))
+        driver: Any
+        if opts.capacity_protocol == "http":
+            # A pool of connections: SO_REUSEPORT spreads them over gateway processes.
+            driver = OpenAIHttpDriver(mesh.state()["http"], opts.model_name)
+        elif opts.gateway_processes == 1:
+            driver = LlmeshGrpcDriver(target, opts.model_name)
+        else:
+            driver = _SpreadDriver([_OwnConnectionDriver(target, opts.model_name)
+                                    for _ in range(16 * opts.gateway_processes)])
 
         async def drive() -> LevelResult:
             async with driver:
                 # Warm every tier (channels, first-request paths) outside the measurement.
                 await run_level(driver, make_workload(4, seed=opts.seed, spec=spec), 4)
+                if opts.capacity_idle_s > 0:
+                    # What the mesh costs doing nothing (health, load reports, keepalives).
+                    before = cpu.sample()
+                    started = time.monotonic()
+                    await asyncio.sleep(opts.capacity_idle_s)
+                    idle_s = time.monotonic() - started
+                    idle.update({tier: cpu_s / idle_s * 1000.0 for tier, cpu_s in
+                                 CpuMeter.delta(before, cpu.sample()).trees.items()})
                 with _bar(opts, " capacity", total) as bar:
                     return await run_level(driver, requests, opts.capacity_streams, cpu=cpu,
                                            on_result=lambda _r: bar.update())
 
+        idle: dict[str, float] = {}
         level = asyncio.run(drive())
     summary = level.summary()
     tokens = summary["output_tokens"]
+    idle_ms_per_s: dict[str, float] | None = None
+    if idle:
+        idle_ms_per_s = {tier: round(ms, 2) for tier, ms in idle.items()}
+        idle_ms_per_s["total"] = round(sum(idle.values()), 2)
+    rate = summary["output_tokens_per_s"]
     us_per_token = {tier: _round_us(cpu_s / tokens) if tokens else None
                     for tier, cpu_s in level.cpu_s.items()}
     us_per_token["total"] = _round_us(sum(level.cpu_s.values()) / tokens) if tokens else None
@@ -620,6 +647,7 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
     return {
         "engine": f"fake, step-based, {opts.capacity_step_ms:g} ms per step",
         "streams": opts.capacity_streams,
+        "protocol": opts.capacity_protocol,
         "tokens_per_request": opts.capacity_tokens,
         "stream_interval": opts.stream_interval,
         "gateway_processes": opts.gateway_processes,
@@ -635,7 +663,13 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
         "output_tokens_per_s": summary["output_tokens_per_s"],
         "ttft_ms": summary["ttft_ms"],
         "cpu_us_per_token": us_per_token,
-        "note": "client CPU excluded; on a 2-core box the load generator competes with the mesh",
+        "idle_s": opts.capacity_idle_s,
+        "idle_cpu_ms_per_s": idle_ms_per_s,
+        "idle_us_per_token": (round(idle_ms_per_s["total"] * 1000.0 / rate, 1)
+                              if rate and idle_ms_per_s else None),
+        "note": "client CPU excluded; on a 2-core box the load generator competes with the mesh; "
+                "idle_us_per_token: the idle mesh's CPU per second over this run's tokens per second "
+                "(the part of cpu_us_per_token the mesh spends whatever the load)",
     }
 
 
@@ -725,12 +759,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--with-capacity", action="store_true",
                    help="add the capacity phase to the other phases (one run: fake-engine capacity and "
                    "the real engine against vllm serve)")
-    c.add_argument("--capacity-streams", type=int, default=128, help="concurrent GenerateStream calls")
+    c.add_argument("--capacity-streams", type=int, default=128,
+                   help="concurrent streams (requests in flight)")
     c.add_argument("--capacity-tokens", type=int, default=256, help="output tokens per request")
     c.add_argument("--capacity-step-ms", type=float, default=2.0,
                    help="fake engine step time: every running request gets one token per step")
     c.add_argument("--capacity-requests-per-stream", type=int, default=1,
                    help="requests each stream sends one after the other")
+    c.add_argument("--capacity-idle-s", type=float, default=5.0,
+                   help="seconds the warmed-up capacity mesh is measured idle before the load "
+                   "(its CPU per second per tier; 0 = not measured)")
+    c.add_argument("--capacity-protocol", choices=("grpc", "http"), default="grpc",
+                   help="grpc: GenerateStream calls; http: streamed /v1/completions, as the real-engine "
+                   "phase drives llmesh (with --capacity-step-ms near a real engine's step time, the "
+                   "serving cost at real-engine rates without the engine)")
     c.add_argument("--stream-interval", type=int, default=1,
                    help="the gateway's stream_interval in the capacity mesh: tokens per GenerateStream delta "
                    "(1 = a delta per token)")
@@ -781,6 +823,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         capacity_tokens=args.capacity_tokens,
         capacity_step_ms=args.capacity_step_ms,
         capacity_requests_per_stream=args.capacity_requests_per_stream,
+        capacity_protocol=args.capacity_protocol,
+        capacity_idle_s=args.capacity_idle_s,
         stream_interval=args.stream_interval,
         stream_max_delay_ms=args.stream_max_delay_ms,
         gateway_processes=args.gateway_processes,

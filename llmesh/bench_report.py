@@ -231,10 +231,17 @@ def text_summary(report: Mapping[str, Any]) -> str:
     if capacity:
         parts += ["", f"Capacity, {capacity['engine']} engine, worker transport "
                   f"{capacity.get('worker_transport', 'calls')}, {capacity['streams']} streams x "
-                  f"{capacity['tokens_per_request']} tokens: {_fmt(capacity['output_tokens_per_s'])} tok/s "
+                  f"{capacity['tokens_per_request']} tokens over {capacity.get('protocol', 'grpc')}: "
+                  f"{_fmt(capacity['output_tokens_per_s'])} tok/s "
                   f"to the client, {capacity['errors']} errors", "",
                   "| tier | CPU us per output token |", "| --- | ---: |"]
         parts += [f"| {tier} | {_fmt(us, 1)} |" for tier, us in capacity["cpu_us_per_token"].items()]
+        idle = capacity.get("idle_cpu_ms_per_s")
+        if idle:
+            tiers = ", ".join(f"{tier} {_fmt(ms, 1)}" for tier, ms in idle.items() if tier != "total")
+            parts += ["", f"Idle mesh before the load: {_fmt(idle['total'], 1)} ms of CPU per second "
+                      f"({tiers}), {_fmt(capacity.get('idle_us_per_token'), 1)} us per output token "
+                      "at this run's rate"]
     batching = report.get("batching")
     if batching:
         parts += ["", f"Batching window on ({batching.get('on_ms')} ms) vs off, "

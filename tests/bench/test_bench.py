@@ -249,10 +249,15 @@ def test_capacity_phase_reports_cpu_per_token_of_every_tier(tiny_deepseek_dir: P
     """``--capacity``: the whole mesh over the step-based fake engine; the report has
     tokens/s and CPU microseconds per output token for every tier (shape only, never speed)."""
     argv = ["--capacity", "--model", str(tiny_deepseek_dir), "--capacity-streams", "6",
-            "--capacity-tokens", "16", "--capacity-step-ms", "1", "--out", str(tmp_path / "out"),
-            "--no-progress"]
+            "--capacity-tokens", "16", "--capacity-step-ms", "1", "--capacity-idle-s", "1",
+            "--out", str(tmp_path / "out"), "--no-progress"]
     assert bench.main(argv) == 0
     capacity = _report(tmp_path)["capacity"]
+    idle = capacity["idle_cpu_ms_per_s"]
+    assert set(idle) == TIERS | {"total"} and all(ms >= 0 for ms in idle.values())
+    assert idle["total"] == pytest.approx(sum(v for k, v in idle.items() if k != "total"), abs=0.1)
+    assert capacity["idle_us_per_token"] == pytest.approx(
+        idle["total"] * 1000.0 / capacity["output_tokens_per_s"], rel=0.01, abs=0.1)
     assert capacity["errors"] == 0, capacity["error_samples"]
     assert capacity["requests"] == 6 and capacity["output_tokens"] == 6 * 16
     assert capacity["output_tokens_per_s"] > 0
@@ -262,6 +267,34 @@ def test_capacity_phase_reports_cpu_per_token_of_every_tier(tiny_deepseek_dir: P
     assert per_token["total"] == pytest.approx(sum(v for k, v in per_token.items() if k != "total"), abs=1)
     out = capsys.readouterr().out
     assert "| tier | CPU us per output token |" in out and "| gateway |" in out
+    assert "Idle mesh before the load:" in out
+
+
+def test_capacity_phase_over_http_drives_the_openai_listener(
+    tiny_deepseek_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--capacity-protocol http``: the capacity load goes through the gateway's streamed
+    /v1/completions (the real-engine phase's path), every request of it, and the report
+    says so."""
+    calls: list[str] = []
+    real_call = bench.OpenAIHttpDriver.__call__
+
+    async def counted(self: Any, request: Any) -> Any:
+        calls.append(self.base_url)
+        return await real_call(self, request)
+
+    monkeypatch.setattr(bench.OpenAIHttpDriver, "__call__", counted)
+    argv = ["--capacity", "--capacity-protocol", "http", "--model", str(tiny_deepseek_dir),
+            "--capacity-streams", "4", "--capacity-tokens", "12", "--capacity-step-ms", "1",
+            "--capacity-idle-s", "0", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert bench.main(argv) == 0
+    capacity = _report(tmp_path)["capacity"]
+    assert capacity["protocol"] == "http"
+    assert capacity["errors"] == 0 and capacity["output_tokens"] == 4 * 12, capacity["error_samples"]
+    assert len(calls) == 4 + 4  # the warm-up's four, then the measured ones
+    assert all(url.startswith("http://") and url.endswith("/v1") for url in calls)
+    assert set(capacity["cpu_us_per_token"]) == TIERS | {"total"}
+    assert capacity["idle_cpu_ms_per_s"] is None and capacity["idle_us_per_token"] is None
 
 
 def test_with_capacity_adds_the_phase_and_worker_transport_reaches_the_router(
@@ -272,8 +305,8 @@ def test_with_capacity_adds_the_phase_and_worker_transport_reaches_the_router(
     (without the flag the bench takes the router's default, session)."""
     argv = ["--with-capacity", "--skip-llmesh", "--skip-reference", "--skip-overhead", "--skip-batching",
             "--worker-transport", "calls", "--model", str(tiny_deepseek_dir), "--capacity-streams", "6",
-            "--capacity-tokens", "16", "--capacity-step-ms", "1", "--out", str(tmp_path / "out"),
-            "--no-progress"]
+            "--capacity-tokens", "16", "--capacity-step-ms", "1", "--capacity-idle-s", "0",
+            "--out", str(tmp_path / "out"), "--no-progress"]
     assert bench.main(argv) == 0
     report = _report(tmp_path)
     assert report["meta"]["worker_transport"] == "calls" and report["systems"] == {}
