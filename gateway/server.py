@@ -125,5 +125,5 @@ async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = No
     await run_until_signal(
         gateway.handle, tier="gateway", grace_seconds=settings.grace_seconds, warmup=warmup,
         close=[close_http, routers.close, gateway.close], stop_event=stop_event,
-        drain_seconds=settings.drain_seconds,
+        drain_seconds=settings.drain_seconds, freeze_heap=True,
     )

@@ -22,6 +22,14 @@ RPC_LATENCY = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 
+FULL_COLLECTIONS = Histogram(
+    "llmesh_gc_full_collection_seconds",
+    "Duration of the cyclic garbage collector's full (oldest-generation) collections, "
+    "during which the tier's event loop serves nothing (services/common/gcpause.py).",
+    ["tier"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
+
 
 def record_request(tier: str, method: str, code: str, seconds: float) -> None:
     """Count one request a Session carried as the per-request RPC it replaces.

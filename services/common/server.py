@@ -25,6 +25,7 @@ from services.common.channels import (
     server_credentials,
     server_message_options,
 )
+from services.common.gcpause import freeze_startup_heap, watch_full_collections
 from services.common.interceptors import ErrorMappingInterceptor
 from services.common.processes import CPU_TIERS
 from services.common.sessionwire import (
@@ -181,6 +182,7 @@ async def run_until_signal(
     stop_event: asyncio.Event | None = None,
     drain_seconds: float = 0.0,
     on_started: Callable[[int], None] | None = None,
+    freeze_heap: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop_event``), then shut down in order.
 
@@ -192,6 +194,10 @@ async def run_until_signal(
        before the port closes;
     4. ``server.stop(grace)`` lets in-flight streams finish, then cancels them;
     5. only then close engines and channels, which in-flight calls were still using.
+
+    ``freeze_heap`` (a tier's own process, not a server inside a test): once warmed up and
+    before ready, the startup heap is frozen out of the garbage collector and full
+    collections are timed (services/common/gcpause.py).
     """
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -224,6 +230,10 @@ async def run_until_signal(
             else:
                 warm.cancel()
         if not stop.is_set():
+            if freeze_heap:
+                # Before ready: the one full collection this takes stalls no request.
+                freeze_startup_heap(tier)
+                watch_full_collections(tier)
             if handle.readiness is None:
                 await handle.set_ready(True)
             else:  # ready while what it depends on can serve (see ServerHandle.readiness)

@@ -71,4 +71,5 @@ async def serve(settings: PostprocessorSettings, *, stop_event: asyncio.Event | 
         drain_seconds=settings.drain_seconds,
         warmup=lambda: warm_up(core),
         stop_event=stop_event,
+        freeze_heap=True,
     )

@@ -112,6 +112,7 @@ async def serve(
         close=[server.router.close],
         stop_event=stop_event,
         on_started=on_started,
+        freeze_heap=True,
     )
 
 

@@ -64,4 +64,5 @@ async def serve(settings: TokenizerSettings, *, stop_event: asyncio.Event | None
         warmup=lambda: warm_up(core),
         close=[close_core],
         stop_event=stop_event,
+        freeze_heap=True,
     )

@@ -393,7 +393,7 @@ async def run_worker(ws: WorkerServer) -> int:
         await run_until_signal(
             ws.handle, tier=TIER, grace_seconds=settings.grace_seconds, warmup=warmup,
             close=[close_monitor, close_engine], stop_event=ws.stop_event,
-            drain_seconds=settings.drain_seconds,
+            drain_seconds=settings.drain_seconds, freeze_heap=True,
         )
     except Exception:
         log.exception("worker failed")

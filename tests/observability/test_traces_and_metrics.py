@@ -259,3 +259,16 @@ async def test_metrics_move_by_the_right_amounts(traced_mesh):
         worker = _scrape(procs["worker"].metrics_port)
     assert "llmesh_worker_kv_cache_usage" in worker
     assert 0.0 < worker["llmesh_worker_prefix_cache_hit_rate"] <= 1.0
+
+
+def test_every_tier_froze_its_startup_heap_and_times_full_collections(traced_mesh):
+    """Each tier process, once warmed up, froze what startup allocated out of the garbage
+    collector (its log says how much) and exports how long its full collections take."""
+    for proc in traced_mesh.procs:
+        tier = proc.tier.split("-")[0]
+        samples = _scrape(proc.metrics_port)
+        key = f'llmesh_gc_full_collection_seconds_count{{tier="{tier}"}}'
+        assert key in samples, (proc.tier, sorted(k for k in samples if "gc" in k))
+        log_text = Path(proc.log_path).read_text()
+        frozen = re.search(rf"{tier}: (\d+) startup objects frozen out of the garbage collector", log_text)
+        assert frozen and int(frozen.group(1)) > 10_000, proc.tier
