@@ -6,10 +6,11 @@ vLLM and torch as well: about 600,000 tracked objects). Python's oldest-generati
 collection walks every one of them: measured here at 340 ms in a process that imported
 vLLM. While it runs the event loop serves nothing, so every stream on the process stalls,
 and a worker stalled for 0.4 s is counted silent by its router. :func:`freeze_startup_heap`,
-called once the tier has warmed up, collects the startup garbage and moves every object
-left into the collector's permanent generation (``gc.freeze``): a full collection then
-walks only what was allocated since (0.0 ms right after the freeze, in that same process).
-Objects made while serving are collected as before.
+called after the imports and again once the tier has warmed up, collects the startup
+garbage and moves every object left into the collector's permanent generation
+(``gc.freeze``): a full collection then walks only what was allocated since (0.0 ms right
+after the freeze, in that same process). Objects made while serving are collected as
+before.
 
 :func:`watch_full_collections` records how long each full collection took
 (``llmesh_gc_full_collection_seconds``), so a pause shows on the dashboards instead of as
@@ -34,15 +35,18 @@ _watched: dict[str, Any] = {}
 """The callback installed per tier (one per process; kept to remove it in tests)."""
 
 
-def freeze_startup_heap(tier: str) -> int:
+def freeze_startup_heap(tier: str, stage: str = "startup") -> int:
     """Collect what startup left over, then freeze every surviving object out of later
-    collections; returns how many objects are frozen now."""
+    collections; returns how many objects are frozen now. Called after each stage of
+    startup (imports, warm-up), each call's collection walks only what the stage made."""
     started = time.perf_counter()
+    before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
-    log.info("%s: %d startup objects frozen out of the garbage collector (%.0f ms)",
-             tier, frozen, (time.perf_counter() - started) * 1000.0)
+    log.info("%s: %d startup objects frozen out of the garbage collector after the %s "
+             "(%d more, %.0f ms)", tier, frozen, stage, frozen - before,
+             (time.perf_counter() - started) * 1000.0)
     return frozen
 
 

@@ -195,9 +195,10 @@ async def run_until_signal(
     4. ``server.stop(grace)`` lets in-flight streams finish, then cancels them;
     5. only then close engines and channels, which in-flight calls were still using.
 
-    ``freeze_heap`` (a tier's own process, not a server inside a test): once warmed up and
-    before ready, the startup heap is frozen out of the garbage collector and full
-    collections are timed (services/common/gcpause.py).
+    ``freeze_heap`` (a tier's own process, not a server inside a test): what the imports
+    made is frozen out of the garbage collector before the server starts, what the warm-up
+    made before ready, and full collections are timed from then on
+    (services/common/gcpause.py).
     """
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -209,6 +210,9 @@ async def run_until_signal(
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests): rely on stop_event
     follower: asyncio.Task[None] | None = None
+    if freeze_heap:
+        # What the imports made, before anyone calls: the longest collection stalls nobody.
+        freeze_startup_heap(tier, "imports")
     await handle.server.start()
     if handle.sessions is not None:
         await handle.sessions.start()
@@ -231,8 +235,8 @@ async def run_until_signal(
                 warm.cancel()
         if not stop.is_set():
             if freeze_heap:
-                # Before ready: the one full collection this takes stalls no request.
-                freeze_startup_heap(tier)
+                # Before ready (no request waits): what the warm-up made (the engine's).
+                freeze_startup_heap(tier, "warm-up")
                 watch_full_collections(tier)
             if handle.readiness is None:
                 await handle.set_ready(True)
