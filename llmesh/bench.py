@@ -600,14 +600,15 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
           f"stream interval {opts.stream_interval}, {opts.gateway_processes} gateway process(es)",
           file=sys.stderr)
     with _started_mesh(config, opts.log_dir / "capacity") as mesh:
-        cpu = CpuMeter(_mesh_cpu_groups(mesh.state()["processes"]))
+        state = mesh.state()
+        cpu = CpuMeter(_mesh_cpu_groups(state["processes"]))
         # With several gateway processes the driver opens several connections (the kernel
         # gives each to one process); one connection would load one process only.
         target = f"{config.gateway.host}:{config.gateway.port}"
         driver: Any
         if opts.capacity_protocol == "http":
             # A pool of connections: SO_REUSEPORT spreads them over gateway processes.
-            driver = OpenAIHttpDriver(mesh.state()["http"], opts.model_name)
+            driver = OpenAIHttpDriver(state["http"], opts.model_name)
         elif opts.gateway_processes == 1:
             driver = LlmeshGrpcDriver(target, opts.model_name)
         else:

@@ -35,7 +35,7 @@ _watched: dict[str, Any] = {}
 """The callback installed per tier (one per process; kept to remove it in tests)."""
 
 
-def freeze_startup_heap(tier: str, stage: str = "startup") -> int:
+def freeze_startup_heap(tier: str, stage: str) -> int:
     """Collect what startup left over, then freeze every surviving object out of later
     collections; returns how many objects are frozen now. Called after each stage of
     startup (imports, warm-up), each call's collection walks only what the stage made."""
@@ -55,15 +55,16 @@ def watch_full_collections(tier: str) -> None:
     if tier in _watched:
         return
     histogram = FULL_COLLECTIONS.labels(tier)
-    started: list[float] = []
+    started = 0.0
 
     def on_collection(phase: str, info: dict[str, Any]) -> None:
+        nonlocal started
         if info.get("generation") != OLDEST:
             return
         if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started:
-            histogram.observe(time.perf_counter() - started.pop())
+            started = time.perf_counter()
+        else:
+            histogram.observe(time.perf_counter() - started)
 
     gc.callbacks.append(on_collection)
     _watched[tier] = on_collection

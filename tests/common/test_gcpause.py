@@ -36,7 +36,7 @@ def test_freeze_moves_startup_objects_out_of_collections(unfrozen: None) -> None
     garbage = _Cycle()
     del garbage  # a cycle: only the collector frees it
     survivor = _Cycle()
-    frozen = gcpause.freeze_startup_heap("gc-test")
+    frozen = gcpause.freeze_startup_heap("gc-test", "imports")
     assert frozen == gc.get_freeze_count() > 0
     # What survived startup is no longer tracked in any generation; the cycle was collected
     # before the freeze, not frozen with the rest.
