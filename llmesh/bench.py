@@ -61,6 +61,7 @@ from llmesh.bench_load import (
     run_level,
 )
 from llmesh.bench_report import plot, ratios, text_summary, write_json
+from services.common.modelinfo import engine_dtype
 
 DEFAULT_LEVELS = (1, 8, 32)
 QUICK_REQUESTS_PER_STREAM = 2
@@ -255,6 +256,8 @@ def reference_argv(opts: BenchOptions, port: int) -> list[str]:
         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
         "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_num_seqs),
         "--disable-uvicorn-access-log",
+        # The dtype llmesh's CPU worker runs the model in (float32 for a float32 checkpoint).
+        "--dtype", engine_dtype("auto", opts.model_dir, "cpu"),
     ]
 
 

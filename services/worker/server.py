@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.modelinfo import served_model_name, tokenizer_checksum
+from services.common.modelinfo import engine_dtype, served_model_name, tokenizer_checksum
 from services.common.server import ServerHandle, create_server, run_until_signal
 from services.common.sessionwire import SessionMethod
 from services.worker import metrics
@@ -68,7 +68,7 @@ def engine_args(settings: WorkerSettings, device: str) -> dict[str, Any]:
         "pipeline_parallel_size": settings.pipeline_parallel_size,
         "data_parallel_size": settings.data_parallel_size,
         "data_parallel_backend": settings.data_parallel_backend,
-        "dtype": settings.dtype,
+        "dtype": engine_dtype(settings.dtype, model, device),
         "enforce_eager": settings.enforce_eager,
         "enable_expert_parallel": settings.enable_expert_parallel,
         "trust_remote_code": settings.trust_remote_code,

@@ -89,7 +89,8 @@ class WorkerSettings(ServerSettings):
     gpu_memory_utilization: float = 0.9
     """vLLM gpu_memory_utilization: fraction of accelerator memory for weights and KV cache."""
     dtype: str = "auto"
-    """vLLM dtype: auto, bfloat16, float16, float32."""
+    """vLLM dtype: auto, bfloat16, float16, float32 (auto on a CPU keeps a float32
+    checkpoint in float32, where vLLM's own auto would run it in bf16)."""
     quantization: str | None = None
     """vLLM quantization method (e.g. awq, gptq, fp8); None: from the model's config."""
     enable_prefix_caching: bool | None = None

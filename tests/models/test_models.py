@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmesh import models
-from services.common.modelinfo import max_context_length, parse_model_spec, tokenizer_checksum
+from services.common.modelinfo import engine_dtype, max_context_length, parse_model_spec, tokenizer_checksum
 
 
 def test_prepared_models_verify(smollm2_dir: Path, tiny_deepseek_dir: Path) -> None:
@@ -27,6 +27,32 @@ def test_prepare_is_idempotent(smollm2_dir: Path) -> None:
     before = (smollm2_dir / models.MANIFEST).stat().st_mtime_ns
     assert models.ensure_model(models.DEFAULT_MODEL, quiet=True) == smollm2_dir
     assert (smollm2_dir / models.MANIFEST).stat().st_mtime_ns == before
+
+
+def test_default_model_is_float32_and_a_changed_spec_is_built_again(
+    tmp_path: Path, smollm2_dir: Path, tiny_deepseek_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model's weights are float32 (its exact dequantization), and a cache
+    prepared under an older description of a model (bf16 weights, say) is not taken."""
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    home = tmp_path / "models"
+    copy = home / "tiny-deepseek"
+    home.mkdir()
+    built: list[Path] = []
+    monkeypatch.setattr(models, "models_dir", lambda: home)
+
+    def build(out: Path, step: object) -> None:
+        built.append(out)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setitem(models.MODELS, "tiny-deepseek", models.ModelSpec("tiny-deepseek", "new", build))
+    subprocess.run(["cp", "-r", str(tiny_deepseek_dir), str(copy)], check=True)
+    assert models.verify_model_dir(copy)
+    assert models.ensure_model("tiny-deepseek", quiet=True) == copy
+    assert len(built) == 1  # described as "tiny random ...", not "new": built again
+    assert models.ensure_model("tiny-deepseek", quiet=True) == copy
+    assert len(built) == 1  # now prepared under "new": taken as it is
 
 
 def test_tampered_model_fails_verification(tmp_path: Path, tiny_deepseek_dir: Path) -> None:
@@ -74,7 +100,7 @@ PARIS_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=1024, max_num_seqs=4,
-                  dtype="bfloat16")
+                  dtype=sys.argv[2])
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24))
         print("ANSWER=" + json.dumps(out[0].outputs[0].text))
@@ -90,7 +116,8 @@ def test_default_model_answers_paris_in_vllm_cpu(smollm2_dir: Path, tmp_path: Pa
     import os
 
     proc = subprocess.run(
-        [sys.executable, str(script), str(smollm2_dir)],
+        # The dtype llmesh's CPU worker runs it in (float32: vLLM's auto would take bf16).
+        [sys.executable, str(script), str(smollm2_dir), engine_dtype("auto", smollm2_dir, "cpu")],
         capture_output=True, text=True, timeout=300, env={**os.environ, **env_extra},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ANSWER=")]

@@ -1,7 +1,7 @@
 """Greedy reference outputs from vLLM's offline ``LLM.generate`` (run as a subprocess).
 
 Usage: python offline_reference.py SPEC.json OUT.json (vLLM logs to stdout), where SPEC is a list of
-{"model": dir, "solo": [[ids], ...], "batch": [[ids], ...], "max_tokens": n}. Solo prompts
+{"model": dir, "solo": [[ids], ...], "batch": [[ids], ...], "max_tokens": n, "dtype": d}. Solo prompts
 are generated one per call (batch of one, like sequential gRPC calls); batch prompts in
 one call (like GenerateBatch).
 """
@@ -29,7 +29,7 @@ def main() -> None:
         specs = json.load(spec_file)
     results = []
     for spec in specs:
-        llm = LLM(model=spec["model"], enforce_eager=True, seed=0)
+        llm = LLM(model=spec["model"], enforce_eager=True, seed=0, dtype=spec.get("dtype", "auto"))
         params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], detokenize=False)
         solo = [run(llm, params, [p])[0] for p in spec["solo"]]
         batch = run(llm, params, spec["batch"]) if spec["batch"] else []

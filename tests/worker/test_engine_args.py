@@ -3,6 +3,7 @@ checked against vLLM's own EngineArgs at start-up (imports vLLM, starts no engin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,19 @@ def test_a_headless_follower_needs_the_leader_and_the_real_engine(
         check_settings(settings(model_dir, **fields))
     check_settings(settings(model_dir, headless=True, data_parallel_size=2, data_parallel_size_local=1,
                             data_parallel_start_rank=1, data_parallel_address="10.0.0.1"))
+
+
+def test_auto_dtype_keeps_a_float32_checkpoint_in_float32_on_a_cpu(tmp_path: Path) -> None:
+    """vLLM's auto would run a float32 checkpoint in bf16 on a CPU; the worker keeps it."""
+    from services.common.modelinfo import engine_dtype
+
+    stored = {"float32": tmp_path / "f32", "bfloat16": tmp_path / "bf16"}
+    for dtype, directory in stored.items():
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({"dtype": dtype}))
+    assert engine_dtype("auto", stored["float32"], "cpu") == "float32"
+    assert engine_dtype("auto", stored["bfloat16"], "cpu") == "auto"
+    assert engine_dtype("auto", stored["float32"], "cuda") == "auto"  # vLLM's choice there
+    assert engine_dtype("bfloat16", stored["float32"], "cpu") == "bfloat16"  # asked for
+    assert engine_dtype("auto", tmp_path / "missing", "cpu") == "auto"
+    assert engine_args(settings(stored["float32"]), "cpu")["dtype"] == "float32"
