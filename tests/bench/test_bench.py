@@ -352,3 +352,12 @@ async def test_overhead_paths_take_each_request_in_turn() -> None:
                        ("g", 4), ("w", 4), ("r", 4)]
     assert [len(level.results) for level in levels.values()] == [3, 3, 3]
     assert bench.paired_added_ms(levels, "g", "w") == pytest.approx(9.0)
+
+
+def test_vllm_serve_runs_the_model_in_the_workers_dtype(smollm2_dir: Path, tiny_deepseek_dir: Path) -> None:
+    """The reference gets the dtype llmesh's CPU worker runs the model in: float32 for the
+    float32 default model (vLLM's auto would take bf16 there), bf16's auto otherwise."""
+    for model, dtype in ((smollm2_dir, "float32"), (tiny_deepseek_dir, "auto")):
+        opts = bench.options_from_args(bench.build_parser().parse_args(["--model", str(model)]))
+        argv = bench.reference_argv(opts, 8000)
+        assert argv[argv.index("--dtype") + 1] == dtype
