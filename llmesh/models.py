@@ -63,25 +63,21 @@ def _manifest_files(directory: Path) -> dict[str, str]:
     }
 
 
-def verify_model_dir(directory: Path) -> bool:
-    """True when ``directory`` is a finished model whose files match its manifest."""
+def verify_model_dir(directory: Path, description: str | None = None) -> bool:
+    """True when ``directory`` is a finished model whose files match its manifest and, with
+    ``description``, was prepared under that description: a spec whose description changed
+    (its weights' dtype, say) is built again rather than taken from an older cache."""
     manifest = directory / MANIFEST
     if not manifest.is_file():
         return False
     try:
-        recorded = json.loads(manifest.read_text())["files"]
+        recorded = json.loads(manifest.read_text())
+        files = recorded["files"]
     except (ValueError, KeyError):
         return False
-    return bool(recorded) and recorded == _manifest_files(directory)
-
-
-def _prepared_as(directory: Path) -> str:
-    """The description a prepared model was built under: a spec whose description changed
-    (its weights' dtype, say) is built again rather than taken from an older cache."""
-    try:
-        return str(json.loads((directory / MANIFEST).read_text()).get("description", ""))
-    except (OSError, ValueError):
-        return ""
+    if description is not None and recorded.get("description") != description:
+        return False
+    return bool(files) and files == _manifest_files(directory)
 
 
 def _write_manifest(directory: Path, name: str, extra: dict[str, object]) -> None:
@@ -270,7 +266,7 @@ def ensure_model(name: str = DEFAULT_MODEL, *, quiet: bool = False, force: bool 
         raise ModelError(f"unknown model {name!r}; known models: {known}")
     out = model_path(name)
     spec = MODELS[name]
-    if not force and verify_model_dir(out) and _prepared_as(out) == spec.description:
+    if not force and verify_model_dir(out, spec.description):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
