@@ -300,7 +300,7 @@ def list_models() -> list[dict[str, object]]:
             "name": name,
             "description": spec.description,
             "path": str(path),
-            "prepared": verify_model_dir(path),
+            "prepared": verify_model_dir(path, spec.description),
         })
     return rows
 
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             print(ensure_model(args.name, quiet=args.quiet, force=args.force))
         elif args.action == "path":
             path = model_path(args.name)
-            if args.name not in MODELS or not verify_model_dir(path):
+            if args.name not in MODELS or not verify_model_dir(path, MODELS[args.name].description):
                 raise ModelError(
                     f"model {args.name!r} is not prepared; run: llmesh model prepare {args.name}"
                 )

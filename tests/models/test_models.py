@@ -49,7 +49,10 @@ def test_default_model_is_float32_and_a_changed_spec_is_built_again(
     monkeypatch.setitem(models.MODELS, "tiny-deepseek", models.ModelSpec("tiny-deepseek", "new", build))
     subprocess.run(["cp", "-r", str(tiny_deepseek_dir), str(copy)], check=True)
     assert models.verify_model_dir(copy)
+    # `llmesh model list` and `path` agree with prepare: an older description is not prepared.
+    assert [row["prepared"] for row in models.list_models() if row["name"] == "tiny-deepseek"] == [False]
     assert models.ensure_model("tiny-deepseek", quiet=True) == copy
+    assert [row["prepared"] for row in models.list_models() if row["name"] == "tiny-deepseek"] == [True]
     assert len(built) == 1  # described as "tiny random ...", not "new": built again
     assert models.ensure_model("tiny-deepseek", quiet=True) == copy
     assert len(built) == 1  # now prepared under "new": taken as it is
