@@ -58,6 +58,9 @@ class ServerHandle:
     warmed up. Names it stops returning turn NOT_SERVING."""
     readiness_changed: asyncio.Event = field(default_factory=asyncio.Event)
     readiness_interval_s: float = 0.5
+    readiness_due: Callable[[], float | None] | None = None
+    """Seconds until readiness may change with time alone (None: not before
+    ``readiness_changed`` is set); a sooner re-read than ``readiness_interval_s``."""
     followed: dict[str, bool] = field(default_factory=dict)
     """What :meth:`follow_readiness` last set, per health service name."""
     sessions: SessionListener | None = None
@@ -76,8 +79,11 @@ class ServerHandle:
                     await self.health.set(name, SERVING if ready else NOT_SERVING)
                     log.info("readiness of %s: %s", name, "SERVING" if ready else "NOT_SERVING")
             self.followed = current
+            wait = self.readiness_interval_s
+            if self.readiness_due is not None and (due := self.readiness_due()) is not None:
+                wait = min(wait, due + 0.005)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.readiness_interval_s):
+                async with asyncio.timeout(wait):
                     await self.readiness_changed.wait()
 
     async def set_ready(self, ready: bool) -> None:

@@ -62,17 +62,32 @@ class CircuitBreaker:
         state = self.state
         return state is Circuit.CLOSED or (state is Circuit.HALF_OPEN and not self._trial_in_flight)
 
-    def on_dispatch(self) -> None:
-        """A request was sent; in half-open it is the one trial."""
-        if self.state is Circuit.HALF_OPEN:
-            self._trial_in_flight = True
+    def reopens_in(self) -> float | None:
+        """Seconds until an open circuit reads half-open (0 once due); None: it is not open.
 
-    def record_success(self) -> None:
+        The one change of state that comes with time alone: readiness waits for it
+        instead of re-reading every worker on a short interval."""
+        if self._state is not Circuit.OPEN:
+            return None
+        return max(0.0, self._opened_at + self.backoff_s - self._clock())
+
+    def on_dispatch(self) -> bool:
+        """A request was sent; in half-open it is the one trial. True: it claimed the
+        trial, so the circuit lets no other request through until it ends."""
+        if self.state is Circuit.HALF_OPEN and not self._trial_in_flight:
+            self._trial_in_flight = True
+            return True
+        return False
+
+    def record_success(self) -> bool:
+        """A request succeeded. True: it closed an open or half-open circuit."""
         self._failures = 0
         if self._state is not Circuit.CLOSED:
             self._state = Circuit.CLOSED
             self._trips = 0
             self._trial_in_flight = False
+            return True
+        return False
 
     def record_failure(self, *, answering: bool = True) -> None:
         """A request failed in transport; ``answering``: the worker's probes still succeed."""

@@ -247,7 +247,10 @@ class Router:
             log.error("REFUSING worker %s at %s: %s", state.worker_id, state.address, reason)
         elif not reason and state.refused:
             log.info("worker %s at %s accepted again", state.worker_id, state.address)
+        changed = bool(reason) != bool(state.refused)
         state.refused = reason
+        if changed and self.on_change is not None:
+            self.on_change()
 
     def _on_worker_change(self, state: WorkerState) -> None:
         labels = (state.worker_id, state.zone)
@@ -326,6 +329,12 @@ class Router:
                 ready[model] = ready.get(model, False) or routable
         return ready
 
+    def readiness_due(self) -> float | None:
+        """Seconds until :meth:`readiness` may change with time alone: the soonest open
+        circuit to half-open. None: only through changes that call ``on_change``."""
+        due = [d for worker in self.registry if (d := worker.breaker.reopens_in()) is not None]
+        return min(due, default=None)
+
     def workers(self) -> list[WorkerState]:
         ladder = self.ladder
         return sorted(self.registry, key=lambda w: (ladder.rank(w.zone), w.zone, w.address))
@@ -366,7 +375,8 @@ class Router:
         worker = choice.worker
         worker.in_flight += 1
         _export_in_flight(worker)
-        worker.breaker.on_dispatch()
+        if worker.breaker.on_dispatch():
+            self._on_worker_change(worker)  # its one trial: it takes nothing else for now
         return _Attempt(worker, choice.affinity)
 
     def _release(self, attempt: _Attempt) -> None:
@@ -603,7 +613,8 @@ class _AttemptLoop:
                     yield self._final(Final(FinishReason.ABORT), worker)
                     return
                 _raise_engine_failure(event)
-                worker.breaker.record_success()
+                if worker.breaker.record_success():
+                    self.router._on_worker_change(worker)  # the circuit closed again
                 finished = self.done = True
                 _annotate(
                     self.span, worker, stream, self.failovers.retries, self._resumes(),

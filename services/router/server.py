@@ -71,12 +71,19 @@ async def build_server(
         sessions={f"/{SERVICE_NAME}/Session": SessionMethod(servicer.Session, router_pb2.SessionRequest)},
     )
     # Readiness tells the truth: the service is ready while some model can be served,
-    # and "<service>/<model>" per model; health changes and breaker trips re-evaluate it
-    # at once, the interval catches circuits that half-open with time.
+    # and "<service>/<model>" per model. Every change of a worker (health, reachability,
+    # circuit, refusal) re-evaluates it at once; a circuit half-opening with time, when it
+    # is due. An idle router re-reads it only every READINESS_RECHECK_S, not per load poll.
     handle.readiness = lambda: readiness_by_name(router.readiness())
-    handle.readiness_interval_s = max(0.1, settings.load_interval_ms / 1000.0)
+    handle.readiness_due = router.readiness_due
+    handle.readiness_interval_s = READINESS_RECHECK_S
     router.on_change = handle.readiness_changed.set
     return RouterServer(handle, router)
+
+
+READINESS_RECHECK_S = 2.0
+"""Longest time between two readings of the router's readiness when nothing signals a
+change (a safety net: every change of a worker signals one)."""
 
 
 def readiness_by_name(models: dict[str, bool]) -> dict[str, bool]:

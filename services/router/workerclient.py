@@ -113,12 +113,17 @@ def frame_events(frame: worker_pb2.SessionResponse) -> Iterator[tuple[int, Worke
 
 
 SESSION_METHOD = "/llmesh.worker.v1.WorkerService/Session"
+WATCH_LOAD_METHOD = "/llmesh.worker.v1.WorkerService/WatchLoad"
 
 
 def _session_call(opener: SessionOpener, messages: AsyncIterator[worker_pb2.SessionRequest]) -> Any:
     """A worker Session call: over the worker's framed listener, or over gRPC."""
     stub = worker_pb2_grpc.WorkerServiceStub(opener.channel)
     return opener.open(SESSION_METHOD, stub.Session, messages, worker_pb2.SessionResponse)
+
+
+async def _one(request: worker_pb2.WatchLoadRequest) -> AsyncIterator[worker_pb2.WatchLoadRequest]:
+    yield request
 
 
 async def _nothing() -> AsyncIterator[worker_pb2.SessionRequest]:
@@ -257,8 +262,14 @@ class GrpcWorkerClient:
             raise call_error(err) from None
 
     async def watch_load(self, interval_s: float) -> AsyncIterator[Load]:
-        call = self.control_stub.WatchLoad(
-            worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000))))
+        # Over the worker's framed listener when it has one (a connection of its own, not
+        # the Session's: busy frames must not delay the reports that decide reachability),
+        # where a report costs both processes a fraction of a grpc.aio message; the reports
+        # come every interval even on an idle mesh.
+        request = worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000)))
+        call = self._opener().open(
+            WATCH_LOAD_METHOD, lambda _messages: self.control_stub.WatchLoad(request),
+            _one(request), worker_pb2.WatchLoadResponse)
         try:
             async for reply in call:
                 yield load_from_proto(reply.load)

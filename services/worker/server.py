@@ -310,7 +310,11 @@ async def create_worker_server(
         tier=TIER,
         register=lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
-        sessions={f"/{SERVICE_NAME}/Session": SessionMethod(servicer.Session, worker_pb2.SessionRequest)},
+        sessions={
+            f"/{SERVICE_NAME}/Session": SessionMethod(servicer.Session, worker_pb2.SessionRequest),
+            f"/{SERVICE_NAME}/WatchLoad": SessionMethod(
+                servicer.WatchLoadFramed, worker_pb2.WatchLoadRequest),
+        },
     )
     return WorkerServer(
         settings=settings,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry import trace
@@ -100,6 +100,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def WatchLoad(
         self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
+        async with contextlib.aclosing(self._load_reports(request)) as reports:
+            async for report in reports:
+                yield report
+
+    async def WatchLoadFramed(
+        self, request_iterator: AsyncIterator[worker_pb2.WatchLoadRequest], context: object
+    ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
+        """WatchLoad on the framed listener (services/common/sessionwire.py), where every
+        method is a stream of requests: the first message is the request, the rest ignored.
+        Each report costs both sides a plain frame instead of a grpc.aio message."""
+        async for request in request_iterator:
+            async with contextlib.aclosing(self._load_reports(request)) as reports:
+                async for report in reports:
+                    yield report
+            return
+        raise InvalidArgument("request", "WatchLoad needs a WatchLoadRequest before its input ends")
+
+    async def _load_reports(
+        self, request: worker_pb2.WatchLoadRequest
+    ) -> AsyncGenerator[worker_pb2.WatchLoadResponse, None]:
         interval = (request.interval_ms or 100) / 1000.0
         if interval < 0.01:
             raise InvalidArgument("interval_ms", "must be 0 (100 ms) or at least 10")

@@ -665,3 +665,36 @@ async def test_a_new_request_fails_at_once_when_the_worker_has_been_silent_long(
         assert time.monotonic() - started < 0.5
     finally:
         await stop_all(rut, workers)
+
+
+async def test_readiness_follows_a_circuit_that_half_opens_with_time_without_polling() -> None:
+    """An idle router re-reads its readiness only when a worker changes or a circuit is
+    due to half-open: the worker's only circuit opening turns it NOT_SERVING at once, and
+    the backoff ending turns it SERVING again when due, though nothing else happens and
+    the periodic re-read is far off."""
+    from services.router.server import READINESS_RECHECK_S, SERVICE_NAME
+
+    assert READINESS_RECHECK_S >= 1.0  # not a per-load-poll re-read any more
+    workers = await fakes("zone-a")
+    rut = await start_router([(w.address, w.worker.zone) for w in workers], breaker_base_backoff_s=0.4)
+    handle = rut.server.handle
+    handle.readiness_interval_s = 60.0  # only the signals and the due time can move it now
+    follower = asyncio.ensure_future(handle.follow_readiness())  # as serve() runs it
+    try:
+        await wait_for(lambda: handle.followed.get(SERVICE_NAME) is True)
+        state = rut.router.registry.workers[workers[0].address]
+        state.breaker.record_failure(answering=False)  # a silent worker trips it at once
+        rut.router._on_worker_change(state)
+        await wait_for(lambda: handle.followed.get(SERVICE_NAME) is False, timeout=1.0)
+        due = rut.router.readiness_due()
+        assert due is not None and 0.0 <= due <= 0.4
+        await wait_for(lambda: handle.followed.get(SERVICE_NAME) is True, timeout=5.0)
+        assert rut.router.readiness_due() is None
+        # The half-open trial, then its success: the circuit closes and stays ready.
+        tokens, final = await rut.generate([5, 6], 2)
+        assert tokens == expected_tokens([5, 6], 2) and final.served_by.zone == "zone-a"
+        assert state.breaker.state is Circuit.CLOSED
+        await wait_for(lambda: handle.followed.get(SERVICE_NAME) is True, timeout=1.0)
+    finally:
+        follower.cancel()
+        await stop_all(rut, workers)

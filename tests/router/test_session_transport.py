@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from llmesh.worker.v1 import worker_pb2
+from services.common.errors import InvalidArgument, error_from_rpc
 from services.router.breaker import Circuit
+from services.router.workerclient import WATCH_LOAD_METHOD, GrpcWorkerClient
 from services.worker.fake_engine import FakeModel, fake_greedy
 from tests.router.helpers import request, start_router, wait_for
 from tests.worker.conftest import RunningWorker, start_running_worker
@@ -102,3 +104,58 @@ async def test_an_engine_lost_mid_stream_resumes_on_another_worker(
         assert tokens == fake_greedy([6, 7], 60, model)
     finally:
         await rut.close()
+
+
+async def test_load_reports_travel_over_the_workers_framed_listener(tiny_deepseek_dir: Path) -> None:
+    """The router's load watch (every interval, idle or not) is a plain frame per report
+    on a connection of its own, not a grpc.aio message; a worker without the listener is
+    watched over gRPC as before."""
+    framed = await start_running_worker(tiny_deepseek_dir, canary_interval_s=5.0, canary_timeout_s=5.0)
+    grpc_only = await start_running_worker(tiny_deepseek_dir, canary_interval_s=5.0, canary_timeout_s=5.0,
+                                           session_port=-1)
+    try:
+        for worker, over_frames in ((framed, True), (grpc_only, False)):
+            client = GrpcWorkerClient(address(worker))
+            try:
+                reports = []
+                async for load in client.watch_load(0.02):
+                    reports.append(load)
+                    if len(reports) == 3:
+                        break
+                assert all(load.max_num_seqs == 64 for load in reports)
+                opener = client._opener()
+                assert (opener.framed_calls, opener.grpc_calls) == ((1, 0) if over_frames else (0, 1))
+            finally:
+                await client.close()
+    finally:
+        await framed.close()
+        await grpc_only.close()
+
+
+async def test_a_framed_load_watch_names_what_is_wrong_with_its_request(tiny_deepseek_dir: Path) -> None:
+    worker = await start_running_worker(tiny_deepseek_dir, canary_interval_s=5.0, canary_timeout_s=5.0)
+    client = GrpcWorkerClient(address(worker))
+    try:
+        async def requests(*items: worker_pb2.WatchLoadRequest) -> AsyncIterator[worker_pb2.WatchLoadRequest]:
+            for item in items:
+                yield item
+
+        def unused(_messages: object) -> object:
+            raise AssertionError("the worker has a listener: no gRPC call")
+
+        for messages, field in ((requests(worker_pb2.WatchLoadRequest(interval_ms=5)), "interval_ms"),
+                                (requests(), "request")):
+            call = client._opener().open(WATCH_LOAD_METHOD, unused, messages, worker_pb2.WatchLoadResponse)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            error = error_from_rpc(caught.value)
+            assert isinstance(error, InvalidArgument) and error.violations[0].field == field
+        # The worker serves on: a good watch still reports.
+        async for load in client.watch_load(0.02):
+            assert load.max_num_seqs == 64
+            break
+    finally:
+        await client.close()
+        await worker.close()

@@ -52,6 +52,26 @@ def test_breaker_opens_half_opens_and_closes() -> None:
     assert breaker.state is Circuit.CLOSED and breaker.allows()
 
 
+def test_breaker_tells_when_it_half_opens_and_which_calls_changed_it() -> None:
+    """What the router's readiness waits for instead of polling: the time until an open
+    circuit half-opens, the dispatch that claims its one trial, the success that closes it."""
+    clock = Clock()
+    breaker = CircuitBreaker(failure_threshold=1, base_backoff_s=1.0, clock=clock)
+    assert breaker.reopens_in() is None
+    breaker.record_failure()
+    assert breaker.reopens_in() == pytest.approx(1.0)
+    clock.now += 0.75
+    assert breaker.reopens_in() == pytest.approx(0.25)
+    clock.now += 0.5
+    assert breaker.reopens_in() == 0.0  # due: the next reading of its state half-opens it
+    assert breaker.state is Circuit.HALF_OPEN and breaker.reopens_in() is None
+    assert breaker.on_dispatch() is True  # claimed the trial
+    assert breaker.on_dispatch() is False  # nothing more to claim
+    assert breaker.record_success() is True  # closed it
+    assert breaker.record_success() is False
+    assert breaker.on_dispatch() is False  # a closed circuit has no trial
+
+
 def test_breaker_backoff_doubles_on_failed_trials_and_is_capped() -> None:
     clock = Clock()
     breaker = CircuitBreaker(failure_threshold=1, base_backoff_s=1.0, max_backoff_s=3.0, clock=clock)
