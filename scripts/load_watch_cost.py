@@ -9,7 +9,9 @@ its load with the router's own client (``services/router/workerclient.py``) unde
 as the router does, one transport after the other for ``--rounds`` rounds. Reported per
 report received: the worker process's CPU (from ``/proc``) and this process's CPU over the
 same window. Both include what each process spends anyway while idle, so the difference
-between the transports is the figure to read, not the absolute values. Every report
+between the transports is the figure to read, not the absolute values. First, the floor:
+what a bare uvloop timer wake-up plus a 64-byte socket write costs this process, with no
+llmesh code (on a VM it is a large part of each report). Every report
 comes every ``load_interval_ms`` on an idle mesh too (150 ms by default), so the saving
 per report times that rate is what an idle router and worker save per second. Not a test:
 it asserts nothing.
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -67,6 +71,26 @@ async def _watch(address: str, pid: int, framed: bool, interval_s: float,
     }
 
 
+async def _floor(interval_s: float, seconds: float) -> dict[str, object]:
+    """What one timer wake-up and one small socket write cost this process with no
+    llmesh code at all: the floor under every periodic report on this machine."""
+    ours, theirs = socket.socketpair()
+    _, writer = await asyncio.open_connection(sock=ours)
+    theirs.setblocking(False)
+    n, start, cpu0 = 0, time.monotonic(), time.process_time()
+    while time.monotonic() - start < seconds:
+        writer.write(b"x" * 64)
+        await asyncio.sleep(interval_s)
+        with contextlib.suppress(BlockingIOError):
+            theirs.recv(65536)
+        n += 1
+    cpu1 = time.process_time()
+    writer.close()
+    theirs.close()
+    return {"transport": "none (timer wake-up and a 64-byte write)", "iterations": n,
+            "us_per_iteration": round((cpu1 - cpu0) * 1e6 / max(1, n), 1)}
+
+
 def _start_worker(model: str) -> tuple[subprocess.Popen[str], str]:
     llmesh = Path(sys.executable).parent / "llmesh"
     popen = subprocess.Popen(
@@ -94,7 +118,7 @@ async def _main(args: argparse.Namespace) -> list[dict[str, object]]:
     drain = loop.run_in_executor(None, popen.stdout.read)  # a full pipe would block the worker
     try:
         await asyncio.sleep(1.0)
-        results = []
+        results = [await _floor(args.interval_ms / 1000.0, min(args.seconds, 5.0))]
         for _ in range(args.rounds):
             for framed in (False, True):
                 results.append(await _watch(
