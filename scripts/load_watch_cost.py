@@ -7,8 +7,8 @@ Usage: ``.venv/bin/python scripts/load_watch_cost.py [--model DIR] [--interval-m
 Starts one fake-engine worker (``llmesh worker --engine fake``, no canaries), then watches
 its load with the router's own client (``services/router/workerclient.py``) under uvloop,
 as the router does, one transport after the other for ``--rounds`` rounds. Reported per
-report received: the worker process's CPU (from ``/proc``) and this process's CPU over the
-same window. Both include what each process spends anyway while idle, so the difference
+report received: the worker process's CPU (psutil, as ``llmesh bench`` reads it) and this
+process's CPU over the same window. Both include what each process spends anyway while idle, so the difference
 between the transports is the figure to read, not the absolute values. First, the floor:
 what a bare uvloop timer wake-up plus a 64-byte socket write costs this process, with no
 llmesh code (on a VM it is a large part of each report). Every report
@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import re
 import socket
 import subprocess
@@ -31,14 +30,16 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.router.workerclient import GrpcWorkerClient
 
 
 def _process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
 
 
 async def _watch(address: str, pid: int, framed: bool, interval_s: float,

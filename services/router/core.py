@@ -375,8 +375,10 @@ class Router:
         worker = choice.worker
         worker.in_flight += 1
         _export_in_flight(worker)
-        if worker.breaker.on_dispatch():
-            self._on_worker_change(worker)  # its one trial: it takes nothing else for now
+        if worker.breaker.on_dispatch() and self.on_change is not None:
+            # Its one trial: it takes nothing else for now. Readiness only: this runs
+            # inside admission's wake(), which must not be woken again from here.
+            self.on_change()
         return _Attempt(worker, choice.affinity)
 
     def _release(self, attempt: _Attempt) -> None:

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
+READINESS_RECHECK_S = 2.0
+"""Longest time between two readings of the router's readiness when nothing signals a
+change (a safety net: every change of a worker signals one)."""
+
 
 def tokenizer_checksums(settings: RouterSettings) -> ChecksumSource:
     """Expected checksums from the tokenizer tier's ListModels."""
@@ -79,11 +83,6 @@ async def build_server(
     handle.readiness_interval_s = READINESS_RECHECK_S
     router.on_change = handle.readiness_changed.set
     return RouterServer(handle, router)
-
-
-READINESS_RECHECK_S = 2.0
-"""Longest time between two readings of the router's readiness when nothing signals a
-change (a safety net: every change of a worker signals one)."""
 
 
 def readiness_by_name(models: dict[str, bool]) -> dict[str, bool]:
