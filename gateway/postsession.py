@@ -18,21 +18,15 @@ calls (:class:`gateway.tiers.GrpcPostprocessorTier`): a request that was on the 
 session opens one there and sends it everything it had sent (the replica never answered
 on that session, so nothing of it reached the caller), and the replica's next requests
 open calls until Session is asked for again.
-
-``postprocessor_transport: local`` runs the postprocessor inside the gateway process
-(:class:`LocalPostprocessorTier`): the same Session handler the postprocessor serves, fed
-the same messages in memory, so each engine step costs no socket write, no wake-up of
-another process and no second wake-up of the gateway for the text.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import propagate
 
@@ -44,9 +38,6 @@ from gateway.types import PostConfig, PostDelta, PostFinal
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common import errors
 from services.common.sessionwire import SessionOpener
-
-if TYPE_CHECKING:
-    from services.postprocessor.core import PostprocessCore
 from services.common.settings import TlsSettings
 
 SESSION_METHOD = "/llmesh.postprocess.v1.PostprocessService/Session"
@@ -255,9 +246,8 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
             self._schedule()
 
     # -- internals -------------------------------------------------------------------
-    def _open(self, opener: SessionOpener | None,
+    def _open(self, opener: SessionOpener,
               messages: AsyncIterator[postprocess_pb2.SessionRequest]) -> Any:
-        assert opener is not None
         stub = postprocess_pb2_grpc.PostprocessServiceStub(opener.channel)
         return opener.open(SESSION_METHOD, stub.Session, messages, postprocess_pb2.SessionResponse)
 
@@ -303,80 +293,3 @@ class SessionPostprocessorTier:
     async def close(self) -> None:
         await self.links.close()
         await self.calls.close()
-
-
-class _InProcessCall:
-    """A Session call answered by a handler in this process, iterated as the link
-    iterates a grpc.aio call. Cancelling the link's reader closes the handler (its
-    ``finally`` drops the requests it holds), so :meth:`cancel` has nothing to do."""
-
-    def __init__(self, responses: AsyncIterator[Any]) -> None:
-        self._responses = responses
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._responses
-
-    def cancel(self) -> None:
-        pass
-
-
-class _LocalLink(_SessionLink):
-    """The postprocessor's own Session handler, run in this process on the messages the
-    link writes; its frames come back to the link's reader in memory."""
-
-    ended_message = "postprocessor (in process): the session ended"
-    closed_message = "postprocessor (in process): closed"
-
-    def __init__(self, handler: Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]) -> None:
-        self._handler = handler
-        super().__init__(None, 0, "in-process")
-
-    def _open(self, opener: SessionOpener | None,
-              messages: AsyncIterator[postprocess_pb2.SessionRequest]) -> Any:
-        return _InProcessCall(self._handler(messages, None))
-
-
-class LocalPostprocessorTier:
-    """The postprocessor inside the gateway process (``postprocessor_transport: local``).
-
-    One replica: a :class:`PostprocessServicer` over the gateway's own core, whose Session
-    handler runs in the link's reader task. Requests are the same :class:`SessionPost`
-    objects as over the wire (deadlines, closes, per-request errors with their fields),
-    and the postprocessor's metrics and spans are recorded in this process. If the handler
-    fails, the requests on it see :class:`TierUnavailable` and are replayed into a new one,
-    as into another replica.
-    """
-
-    def __init__(self, core: PostprocessCore) -> None:
-        from services.postprocessor.servicer import PostprocessServicer
-
-        self.core = core
-        self._servicer = PostprocessServicer(core)
-        self._link: _LocalLink | None = None
-        self.opened = 0
-        """Sessions opened (one, plus one per failure)."""
-
-    @property
-    def replicas(self) -> int:
-        return 1
-
-    def link(self) -> _LocalLink:
-        """The session, opened now if there is none or the last one failed."""
-        if self._link is None or self._link.broken:
-            # In an empty context, as ReplicaLinks opens one: it serves every request.
-            self._link = contextvars.Context().run(_LocalLink, self._servicer.Session)
-            self.opened += 1
-        return self._link
-
-    async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> PostSession:
-        deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
-        return self.link().open(config, deadline, self._no_calls)
-
-    @staticmethod
-    async def _no_calls(**_: Any) -> PostSession:
-        # Only a replica without Session gets calls; this one always has it.
-        raise TierUnavailable("postprocessor (in process): no Process calls")
-
-    async def close(self) -> None:
-        if self._link is not None:
-            await self._link.close()

@@ -98,8 +98,7 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
             self._schedule()
 
     # -- internals -------------------------------------------------------------------
-    def _open(self, opener: SessionOpener | None, messages: AsyncIterator[router_pb2.SessionRequest]) -> Any:
-        assert opener is not None
+    def _open(self, opener: SessionOpener, messages: AsyncIterator[router_pb2.SessionRequest]) -> Any:
         stub = router_pb2_grpc.RouterServiceStub(opener.channel)
         return opener.open(SESSION_METHOD, stub.Session, messages, router_pb2.SessionResponse)
 

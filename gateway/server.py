@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
-from gateway.postsession import LocalPostprocessorTier, SessionPostprocessorTier
+from gateway.postsession import SessionPostprocessorTier
 from gateway.routersession import SessionRouterTier
 from gateway.servicer import AuthGate, InferenceServicer
 from gateway.settings import GatewaySettings
@@ -20,16 +19,13 @@ from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.common.readiness import UpstreamHealth
 from services.common.server import ServerHandle, create_server, run_until_signal
 
-if TYPE_CHECKING:
-    from services.postprocessor.core import PostprocessCore
-
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
-PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier | LocalPostprocessorTier
-"""The postprocessor tier of any transport (settings.postprocessor_transport)."""
+PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier
+"""The postprocessor tier of either transport (settings.postprocessor_transport)."""
 
 
 @dataclass
@@ -56,9 +52,7 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
     router_tier = SessionRouterTier if settings.router_transport == "session" else GrpcRouterTier
     router = router_tier(settings.router_targets, tls)
     post: PostprocessorTiers
-    if settings.postprocessor_transport == "local":
-        post = LocalPostprocessorTier(_local_postprocessor(settings))
-    elif settings.postprocessor_transport == "session":
+    if settings.postprocessor_transport == "session":
         post = SessionPostprocessorTier(settings.postprocessor_targets, tls)
     else:
         post = GrpcPostprocessorTier(settings.postprocessor_targets, tls)
@@ -79,17 +73,6 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
         audit=audit,
     )
     return core, (tokenizer, router, post), audit
-
-
-def _local_postprocessor(settings: GatewaySettings) -> PostprocessCore:
-    """The core of the in-process postprocessor: the postprocessor tier's, on the
-    gateway's models (raises ModelLoadError naming a bad file)."""
-    from services.postprocessor.server import build_core as build_postprocessor
-    from services.postprocessor.settings import PostprocessorSettings
-
-    return build_postprocessor(PostprocessorSettings(
-        models=settings.postprocessor_models, default_filter_mode=settings.default_filter_mode,
-    ))
 
 
 async def create_gateway(settings: GatewaySettings) -> Gateway:
@@ -113,11 +96,6 @@ async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = No
     http_runner = None
 
     async def warmup() -> None:
-        post = gateway.tiers[2]
-        if isinstance(post, LocalPostprocessorTier):
-            from services.postprocessor.server import warm_up as warm_up_postprocessor
-
-            await warm_up_postprocessor(post.core)
         # Ready once the tokenizer tier answers: without it no request can be served.
         while True:
             try:

@@ -94,7 +94,7 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
     closed_message: ClassVar[str]
     """Why requests fail when the link is closed on this side."""
 
-    def __init__(self, opener: SessionOpener | None, replica: int, target: str = "") -> None:
+    def __init__(self, opener: SessionOpener, replica: int, target: str = "") -> None:
         self.replica = replica
         self.target = target
         self.requests: dict[int, CarriedT] = {}
@@ -118,10 +118,9 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
 
     # -- what each tier defines ------------------------------------------------------
     @abstractmethod
-    def _open(self, opener: SessionOpener | None, messages: AsyncIterator[MessageT]) -> Any:
+    def _open(self, opener: SessionOpener, messages: AsyncIterator[MessageT]) -> Any:
         """Start the Session call that sends ``messages`` (``opener.open``: over the
-        replica's framed listener when it has one, services/common/sessionwire.py; no
-        opener: the tier runs in this process, :class:`gateway.postsession.LocalPostprocessorTier`)."""
+        replica's framed listener when it has one, services/common/sessionwire.py)."""
 
     @abstractmethod
     def _new_message(self) -> MessageT:

@@ -35,21 +35,14 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     upgrade) gets calls on its own, and is asked for Session again after a minute."""
     postprocessor_targets: list[str] = ["127.0.0.1:50062"]
     """Postprocessor replicas; a stream whose postprocessor dies is replayed into the next one."""
-    postprocessor_transport: Literal["calls", "session", "local"] = "session"
+    postprocessor_transport: Literal["calls", "session"] = "session"
     """How requests reach the postprocessors: ``session`` (one long-lived Session per
     postprocessor replica carrying every request: what the requests send in one moment
     shares a message, answered by one frame of text for all of them; a broken session
-    replays its requests into another replica), ``calls`` (one Process stream per
-    request) or ``local`` (the postprocessor runs inside this process on
-    ``postprocessor_models``, and ``postprocessor_targets`` is unused: no hop per engine
-    step, at the price of this process doing the detokenizing and filtering). Under
-    ``session`` a postprocessor replica without Session (an older release, during a
-    rolling upgrade) gets calls on its own, and is asked for Session again after a
+    replays its requests into another replica) or ``calls`` (one Process stream per
+    request). Under ``session`` a postprocessor replica without Session (an older release,
+    during a rolling upgrade) gets calls on its own, and is asked for Session again after a
     minute."""
-    postprocessor_models: list[str] = Field(default_factory=list)
-    """With ``postprocessor_transport: local``: the models whose tokenizers the in-process
-    postprocessor loads, as ``name=dir`` or ``dir`` (the postprocessor's --models); empty
-    loads the prepared default model (smollm2-135m-instruct)."""
     default_model: str = ""
     """Model used when a request leaves ``model`` empty; empty means the tokenizer tier's default."""
     tenants_file: str = ""

@@ -113,9 +113,6 @@ class BenchOptions:
     worker_transport: str = field(default_factory=router_worker_transport)
     """The router's worker_transport in every mesh the bench starts (session or calls);
     the router's own default unless set."""
-    postprocessor_in_gateway: bool = False
-    """Every mesh the bench starts runs the postprocessor inside the gateway process
-    (the mesh config's ``postprocessor.in_gateway``) instead of as a process of its own."""
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -186,7 +183,7 @@ def _router_settings(opts: BenchOptions, batch_max_wait_ms: float | None) -> dic
 
 
 def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None = None) -> Any:
-    from llmesh.meshconfig import GatewayConfig, MeshConfig, PostprocessorConfig, RouterConfig, WorkerConfig
+    from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
     from llmesh.procs import free_port
 
     router_settings = _router_settings(opts, batch_max_wait_ms)
@@ -195,7 +192,6 @@ def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None =
         served_model_name=opts.model_name,
         gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
         router=RouterConfig(settings=router_settings),
-        postprocessor=PostprocessorConfig(in_gateway=opts.postprocessor_in_gateway),
         workers=[WorkerConfig(
             zone="zone-a", device="cpu", engine="vllm", cpu_omp_threads_bind=opts.omp_bind,
             settings={"max_num_seqs": opts.max_num_seqs, "max_model_len": opts.max_model_len,
@@ -341,7 +337,7 @@ def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any
 def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wait_ms: float | None,
                       stream_interval: int = 1, stream_max_delay_ms: int = 0,
                       gateway_processes: int = 1) -> Any:
-    from llmesh.meshconfig import GatewayConfig, MeshConfig, PostprocessorConfig, RouterConfig, WorkerConfig
+    from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
     from llmesh.procs import free_port
 
     router_settings = _router_settings(opts, batch_max_wait_ms)
@@ -356,7 +352,6 @@ def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wa
         gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings=gateway_settings,
                               processes=gateway_processes),
         router=RouterConfig(settings=router_settings),
-        postprocessor=PostprocessorConfig(in_gateway=opts.postprocessor_in_gateway),
         workers=[WorkerConfig(zone="zone-a", engine="fake",
                               settings={"fake_token_delay_ms": token_delay_ms, "fake_max_running": 256,
                                         "max_num_seqs": 256})],
@@ -793,9 +788,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--worker-transport", choices=("session", "calls"), default=router_worker_transport(),
                    help="the router's worker_transport in every mesh the bench starts "
                    "(default: the router's default, %(default)s)")
-    e.add_argument("--postprocessor-in-gateway", action="store_true",
-                   help="every mesh the bench starts runs the postprocessor inside the gateway process "
-                   "(postprocessor.in_gateway) instead of as a process of its own")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")
@@ -841,7 +833,6 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         stream_max_delay_ms=args.stream_max_delay_ms,
         gateway_processes=args.gateway_processes,
         worker_transport=args.worker_transport,
-        postprocessor_in_gateway=args.postprocessor_in_gateway,
     )
 
 
@@ -872,7 +863,6 @@ def main(argv: list[str] | None = None) -> int:
                        "kvcache_gb": opts.kvcache_gb, "enforce_eager": True,
                        "omp_threads_bind": opts.omp_bind},
             "worker_transport": opts.worker_transport,
-            "postprocessor_in_gateway": opts.postprocessor_in_gateway,
             "workload": {"prompt_words": list(opts.workload.prompt_words),
                          "output_tokens": list(opts.workload.output_tokens),
                          "requests_per_level": {str(c): opts.requests_for(c) for c in opts.levels},

@@ -7,8 +7,7 @@ A YAML file; every key is optional::
     gateway: {host: 127.0.0.1, port: 50051, http_port: 8080, default_filter_mode: off, processes: 1,
               audit_log: "", settings: {...}}          # settings: any GatewaySettings field
     tokenizer: {replicas: 1, settings: {...}, address: ""}  # address: for --mesh-config
-    postprocessor: {replicas: 1, processes: 1, settings: {...},  # processes: per replica, one port
-                    in_gateway: false}  # true: inside each gateway process, no processes of its own
+    postprocessor: {replicas: 1, processes: 1, settings: {...}}  # processes: per replica, one port
     router: {replicas: 1, zones: [zone-a, zone-b, kunpeng], degraded_zones: [kunpeng],
              settings: {...}}
     workers:                          # one process each
@@ -53,15 +52,6 @@ class TierConfig(_Strict):
     """Where callers reach this tier when it runs outside `llmesh up` (which dials the
     processes it starts), e.g. dns:///llmesh-tokenizer:50061 for a headless Service: the
     gateway (and, for the tokenizer, the router) dial it when started with --mesh-config."""
-
-
-class PostprocessorConfig(TierConfig):
-    in_gateway: bool = False
-    """Run the postprocessor inside each gateway process (the gateway's
-    postprocessor_transport ``local``) instead of as processes of its own: one hop and two
-    process wake-ups less per engine step, and the gateway does the detokenizing, stop
-    strings and output filter itself. ``replicas``, ``processes`` and ``address`` are then
-    unused; ``settings`` are not applied (the gateway's ``default_filter_mode`` is)."""
 
 
 class GatewayConfig(_Strict):
@@ -136,7 +126,7 @@ class MeshConfig(_Strict):
     served_model_name: str = ""
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     tokenizer: TierConfig = Field(default_factory=TierConfig)
-    postprocessor: PostprocessorConfig = Field(default_factory=PostprocessorConfig)
+    postprocessor: TierConfig = Field(default_factory=TierConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     workers: list[WorkerConfig] = Field(default_factory=lambda: [WorkerConfig()])
     tls: TlsConfig = Field(default_factory=TlsConfig)

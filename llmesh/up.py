@@ -198,7 +198,7 @@ class Mesh:
             self._spawn(f"postprocessor-{i}", "postprocessor",
                         ["--models", model_flag, *_flags(cfg.postprocessor.settings)],
                         port=free_port(self.host), processes=cfg.postprocessor.processes)
-            for i in range(0 if cfg.postprocessor.in_gateway else cfg.postprocessor.replicas)
+            for i in range(cfg.postprocessor.replicas)
         ]
         workers = []
         for i, w in enumerate(cfg.workers):
@@ -242,9 +242,7 @@ class Mesh:
         gw_args = [
             "--tokenizer-targets", json.dumps([p.address for p in tokenizers]),
             "--router-targets", json.dumps([p.address for p in routers]),
-            *(["--postprocessor-transport", "local", "--postprocessor-models", model_flag]
-              if cfg.postprocessor.in_gateway else
-              ["--postprocessor-targets", json.dumps([p.address for p in posts])]),
+            "--postprocessor-targets", json.dumps([p.address for p in posts]),
             "--default-filter-mode", cfg.gateway.default_filter_mode,
             *self._client_tls_flags("gateway"), *_flags(cfg.gateway.settings),
         ]

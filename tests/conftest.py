@@ -8,13 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmesh.meshconfig import (
-    GatewayConfig,
-    MeshConfig,
-    PostprocessorConfig,
-    RouterConfig,
-    WorkerConfig,
-)
+from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, TierConfig, WorkerConfig
 from llmesh.models import DEFAULT_MODEL, ensure_model
 from llmesh.procs import free_port
 from llmesh.up import Mesh
@@ -45,7 +39,7 @@ def engine_mesh(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         # ha.yaml's shape: two routers and two postprocessors, so the HA tests can kill one
         # of each under a real engine.
         router=RouterConfig(replicas=2),
-        postprocessor=PostprocessorConfig(replicas=2),
+        postprocessor=TierConfig(replicas=2),
         workers=[WorkerConfig(zone="zone-a", engine="vllm", cpu_omp_threads_bind="0-1",
                               settings={"max_num_seqs": 16, "max_model_len": 2048,
                                         "canary_interval_s": 30})],

@@ -261,8 +261,6 @@ def mesh_values(cls: type[BaseSettings], config: Any, explicit: dict[str, Any]) 
         for name in ("tokenizer", "router", "postprocessor"):
             if getattr(config, name).address:
                 values[f"{name}_targets"] = [getattr(config, name).address]
-        if config.postprocessor.in_gateway:
-            values.update(postprocessor_transport="local", postprocessor_models=[f"{served}={model}"])
         values.update(gw.settings)
     elif tier in ("tokenizer", "postprocessor"):
         values["models"] = [f"{served}={model}"]

@@ -13,13 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmesh.meshconfig import (
-    GatewayConfig,
-    MeshConfig,
-    PostprocessorConfig,
-    RouterConfig,
-    WorkerConfig,
-)
+from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, TierConfig, WorkerConfig
 from llmesh.procs import free_port
 from llmesh.up import Mesh
 from tests.chaos.load import TOKEN_DELAY_MS, references
@@ -32,7 +26,7 @@ def chaos_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory
         model=str(tiny_deepseek_dir),
         gateway=GatewayConfig(port=free_port(), http_port=-1, settings={"drain_seconds": 0}),
         router=RouterConfig(replicas=2, zones=["zone-a", "zone-b"]),
-        postprocessor=PostprocessorConfig(replicas=2),
+        postprocessor=TierConfig(replicas=2),
         workers=[WorkerConfig(zone=zone, engine="fake", settings=worker_settings)
                  for zone in ("zone-a", "zone-a", "zone-b", "zone-b")],
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmesh.meshconfig import MeshConfig, PostprocessorConfig, RouterConfig, WorkerConfig
+from llmesh.meshconfig import MeshConfig, RouterConfig, TierConfig, WorkerConfig
 from llmesh.procs import TierProcess, free_port
 from llmesh.up import Mesh
 from llmesh.v1 import inference_pb2
@@ -35,7 +35,7 @@ def ha_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         model=str(tiny_deepseek_dir),
         gateway={"port": free_port(), "http_port": -1, "settings": {"drain_seconds": 0}},
         router=RouterConfig(replicas=2, zones=["zone-a", "zone-b"]),
-        postprocessor=PostprocessorConfig(replicas=2),
+        postprocessor=TierConfig(replicas=2),
         workers=[
             WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 25}),
             WorkerConfig(zone="zone-b", engine="fake", settings={"fake_token_delay_ms": 25}),

@@ -32,7 +32,7 @@ from gateway.server import create_gateway
 from gateway.settings import GatewaySettings
 from gateway.tiers import GrpcPostprocessorTier
 from gateway.types import PostConfig, PostDelta, PostFinal
-from llmesh.meshconfig import MeshConfig, PostprocessorConfig, RouterConfig, WorkerConfig
+from llmesh.meshconfig import MeshConfig, RouterConfig, TierConfig, WorkerConfig
 from llmesh.postprocess.v1 import postprocess_pb2_grpc
 from llmesh.procs import TierProcess, free_port
 from llmesh.up import Mesh
@@ -321,7 +321,7 @@ def session_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFacto
         gateway={"port": free_port(), "http_port": -1,
                  "settings": {"drain_seconds": 0, "postprocessor_transport": "session"}},
         router=RouterConfig(zones=["zone-a", "zone-b"]),
-        postprocessor=PostprocessorConfig(replicas=2),
+        postprocessor=TierConfig(replicas=2),
         workers=[
             WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 25}),
             WorkerConfig(zone="zone-b", engine="fake", settings={"fake_token_delay_ms": 25}),

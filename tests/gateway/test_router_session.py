@@ -22,7 +22,7 @@ import pytest
 
 from gateway.server import Gateway, create_gateway
 from gateway.settings import GatewaySettings
-from llmesh.meshconfig import MeshConfig, PostprocessorConfig, RouterConfig, WorkerConfig
+from llmesh.meshconfig import MeshConfig, RouterConfig, TierConfig, WorkerConfig
 from llmesh.procs import TierProcess, free_port
 from llmesh.up import Mesh
 from llmesh.v1 import inference_pb2
@@ -41,7 +41,7 @@ def session_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFacto
         gateway={"port": free_port(), "http_port": -1,
                  "settings": {"drain_seconds": 0, "router_transport": "session"}},
         router=RouterConfig(replicas=2, zones=["zone-a", "zone-b"]),
-        postprocessor=PostprocessorConfig(replicas=1),
+        postprocessor=TierConfig(replicas=1),
         workers=[
             WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 20}),
             WorkerConfig(zone="zone-b", engine="fake", settings={"fake_token_delay_ms": 20}),
