@@ -14,6 +14,7 @@ from gateway.servicer import AuthGate, InferenceServicer
 from gateway.settings import GatewaySettings
 from gateway.tenants import TenantRegistry, load_tenants
 from gateway.tiers import GrpcPostprocessorTier, GrpcRouterTier, GrpcTokenizerTier
+from gateway.tokenizersession import SessionTokenizerTier
 from llmesh.router.v1 import router_pb2
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.common.readiness import UpstreamHealth
@@ -48,7 +49,8 @@ class Gateway:
 def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokenizerTier, GrpcRouterTier,
                                                                       PostprocessorTiers], AuditLog]:
     tls = settings.client_tls
-    tokenizer = GrpcTokenizerTier(settings.tokenizer_targets, tls)
+    tokenizer_tier = SessionTokenizerTier if settings.tokenizer_transport == "session" else GrpcTokenizerTier
+    tokenizer = tokenizer_tier(settings.tokenizer_targets, tls)
     router_tier = SessionRouterTier if settings.router_transport == "session" else GrpcRouterTier
     router = router_tier(settings.router_targets, tls)
     post: PostprocessorTiers

@@ -24,6 +24,13 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     """Public gRPC port."""
     tokenizer_targets: list[str] = ["127.0.0.1:50061"]
     """Tokenizer tier replicas (host:port, or dns:///name:port)."""
+    tokenizer_transport: Literal["calls", "session"] = "session"
+    """How requests reach the tokenizers: ``session`` (one long-lived Session per tokenizer
+    replica carrying every request's Encode: the encodes asked for in one moment share a
+    message, and the replica answers what is ready in one frame) or ``calls`` (one Encode
+    call per request). ListModels is always a call. Under ``session`` a tokenizer replica
+    without Session (an older release, during a rolling upgrade) gets calls on its own, and
+    is asked for Session again after a minute."""
     router_targets: list[str] = ["127.0.0.1:50071"]
     """Router replicas; a stream whose router dies is resumed through the next one."""
     router_transport: Literal["calls", "session"] = "session"

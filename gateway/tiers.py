@@ -34,6 +34,9 @@ from services.common.settings import TlsSettings
 # A peer that vanished mid-call shows up as one of these.
 _TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
 
+TOKENIZER_FIELD_PREFIXES = ("input.",)
+"""The tokenizer's EncodeRequest wraps the public request's input fields in ``input``."""
+
 ROUTER_FIELD_PREFIXES = ("request.",)
 """The router's GenerateRequest wraps the public request's fields in ``request``."""
 
@@ -129,20 +132,24 @@ class GrpcTokenizerTier(_Replicas):
         self._next = 0
 
     async def _call(self, method: str, request: object, timeout: float | None) -> object:
-        last: errors.LlmeshError | None = None
-        metadata = trace_metadata()
+        last: TierUnavailable | None = None
         for _ in range(self.replicas):
-            stub = self.stubs[self._next]
+            replica = self._next
             self._next = (self._next + 1) % self.replicas
             try:
-                return await getattr(stub, method)(request, timeout=timeout, metadata=metadata)
-            except grpc.aio.AioRpcError as err:
-                mapped = domain_error(err, tier="tokenizer", strip=("input.",))
-                if not isinstance(mapped, TierUnavailable):
-                    raise mapped from None
-                last = mapped
+                return await self._attempt(replica, method, request, timeout)
+            except TierUnavailable as exc:
+                last = exc
         assert last is not None
         raise last
+
+    async def _attempt(self, replica: int, method: str, request: object, timeout: float | None) -> object:
+        """One replica's answer; raises the domain error (TierUnavailable: try another)."""
+        try:
+            call = getattr(self.stubs[replica], method)
+            return await call(request, timeout=timeout, metadata=trace_metadata())
+        except grpc.aio.AioRpcError as err:
+            raise domain_error(err, tier="tokenizer", strip=TOKENIZER_FIELD_PREFIXES) from None
 
     async def encode(
         self, model: str, prompt: str, messages: list[ChatTurn], *,

@@ -2,12 +2,13 @@
 
 Every internal hop that carries tokens (worker -> router, router -> gateway, gateway <->
 postprocessor) is one long-lived ``Session`` stream per peer, one message per engine
-step. A grpc.aio message costs far more CPU than the frame it carries (about 250 µs a
-side on these boxes against 60 for a plain asyncio stream, ``scripts/transport_cost.py``),
-so a tier that serves Session also listens on a port of its own where the same Session
-messages travel as plain frames; so does the worker's WatchLoad (its first frame is the
-request), a report every load interval even on an idle mesh. gRPC stays for everything
-else: the public API, health, model info, per-request calls, and all of these for a peer
+step, and so is the gateway's Encode of every request (gateway <-> tokenizer). A grpc.aio
+message costs far more CPU than the frame it carries (about 250 µs a side on these boxes
+against 60 for a plain asyncio stream, ``scripts/transport_cost.py``), so a tier that
+serves Session also listens on a port of its own where the same Session messages travel
+as plain frames; so does the worker's WatchLoad (its first frame is the request), a
+report every load interval even on an idle mesh. gRPC stays for everything else: the
+public API, health, model info, the other per-request calls, and all of these for a peer
 without the listener.
 
 The wire, after TCP (and TLS, with the same certificates as the gRPC port):

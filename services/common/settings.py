@@ -44,7 +44,7 @@ class ServerSettings(BaseSettings):
     port: int = 0
     """gRPC port; 0 picks a free port (printed at start)."""
     session_port: int = 0
-    """Port of the framed Session listener (worker, router, postprocessor: their Session
+    """Port of the framed Session listener (worker, router, postprocessor, tokenizer: their Session
     method as length-prefixed protobuf frames, with the gRPC port's TLS and caller policy;
     callers find it through the gRPC port); 0 picks a free port, -1 serves Session over
     gRPC only. The other tiers have no Session and ignore it."""

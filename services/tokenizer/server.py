@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from llmesh.tokenizer.v1 import tokenizer_pb2_grpc
+from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import ServerHandle, create_server, run_until_signal
+from services.common.sessionwire import SessionMethod
 from services.tokenizer import metrics
 from services.tokenizer.core import ChatMessage, EncodeInput, TokenizerCore
 from services.tokenizer.loader import load_models
@@ -35,6 +36,7 @@ async def build_server(settings: TokenizerSettings) -> tuple[ServerHandle, Token
         tier="tokenizer",
         register=lambda server: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
+        sessions={f"/{SERVICE_NAME}/Session": SessionMethod(servicer.Session, tokenizer_pb2.SessionRequest)},
     )
     for name, model in core.models.items():
         log.info("tokenizer model %s loaded from %s (checksum %s, vocab %d)",

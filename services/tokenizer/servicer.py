@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
-from opentelemetry import trace
 
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.tokenizer import convert, metrics
-from services.tokenizer.core import EncodeInput, EncodeResult, TokenizerCore
+from services.tokenizer import convert
+from services.tokenizer.core import TokenizerCore
+from services.tokenizer.metrics import count_encoded
+from services.tokenizer.session import EncodeMux
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
-
-
-def _count(item: EncodeInput, result: EncodeResult) -> None:
-    # Sizes only on the RPC span (the interceptor's); never the text.
-    span = trace.get_current_span()
-    span.set_attribute("llmesh.model", result.model)
-    span.set_attribute("llmesh.prompt_tokens", result.count)
-    metrics.INPUTS.labels(result.model, "messages" if item.messages else "prompt").inc()
-    metrics.TOKENS.labels(result.model).inc(result.count)
-    if result.truncated:
-        metrics.TRUNCATIONS.labels(result.model).inc()
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -32,7 +24,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> tokenizer_pb2.EncodeResponse:
         item = convert.encode_input_from_proto(request.input)
         result = await self.core.encode(item, "input")
-        _count(item, result)
+        count_encoded(item, result)
         return tokenizer_pb2.EncodeResponse(result=convert.encode_result_to_proto(result))
 
     async def EncodeBatch(
@@ -41,10 +33,19 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         items = [convert.encode_input_from_proto(i) for i in request.inputs]
         results = await self.core.encode_batch(items, "inputs")
         for item, result in zip(items, results, strict=True):
-            _count(item, result)
+            count_encoded(item, result)
         return tokenizer_pb2.EncodeBatchResponse(
             results=[convert.encode_result_to_proto(r) for r in results]
         )
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.SessionResponse]:
+        """Many Encode requests over one stream (services/tokenizer/session.py)."""
+        async for frame in EncodeMux(self.core).serve(request_iterator):
+            yield frame
 
     async def ListModels(
         self, request: tokenizer_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -42,15 +42,16 @@ def _camel(value):
 
 
 async def test_every_session_hop_runs_over_frames_real_engine(engine_channel, engine_mesh):
-    """Worker -> router, router -> gateway and gateway <-> postprocessor carry the stream
-    over the tiers' framed Session listeners (not gRPC), and the text is the same as a
-    unary call's."""
+    """Worker -> router, router -> gateway, gateway <-> postprocessor and gateway <->
+    tokenizer carry the stream over the tiers' framed Session listeners (not gRPC), and
+    the text is the same as a unary call's."""
     s = stub(engine_channel)
     text, final, _ = await collect_stream(s, stream_request(messages=PARIS, sampling={"max_tokens": 12}))
     unary = await s.Generate(request(messages=PARIS, sampling={"max_tokens": 12}))
     assert text == unary.text and final.usage.completion_tokens == unary.usage.completion_tokens
     served, called = session_frame_ports(engine_mesh.log_dir)
-    assert served.keys() == {"worker", "router", "postprocessor"}, served
+    assert served.keys() == {"worker", "router", "postprocessor", "tokenizer"}, served
+    assert called["gateway"] & served["tokenizer"], (served, called)
     assert called["gateway"] & served["router"], (served, called)
     assert called["gateway"] & served["postprocessor"], (served, called)
     assert called["router"] & served["worker"], (served, called)
