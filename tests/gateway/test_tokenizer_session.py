@@ -197,4 +197,5 @@ async def test_the_tokenizers_span_of_a_request_hangs_under_the_gateways(tiny_de
     (served,) = [s for s in exporter.get_finished_spans() if s.name == "llmesh.tokenizer/Session.encode"]
     assert served.parent is not None and served.parent.span_id == parent.get_span_context().span_id
     assert served.context.trace_id == parent.get_span_context().trace_id
-    assert served.attributes is not None and served.attributes["llmesh.prompt_tokens"] == len(encoded.token_ids)
+    assert served.attributes is not None
+    assert served.attributes["llmesh.prompt_tokens"] == len(encoded.token_ids)
