@@ -30,9 +30,9 @@ ENV LLMESH_HOME=/home/llmesh/.cache/llmesh \
 USER 10001:10001
 WORKDIR /home/llmesh
 # gRPC: gateway 50051, tokenizer 50061, postprocessor 50062, router 50071; Session frames:
-# postprocessor 50063, router 50072 (pass --session-port: its default picks a free port);
-# metrics 9090.
-EXPOSE 50051 50061 50062 50063 50071 50072 9090
+# tokenizer 50065, postprocessor 50063, router 50072 (pass --session-port: its default
+# picks a free port); metrics 9090.
+EXPOSE 50051 50061 50062 50063 50065 50071 50072 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["llmesh-healthcheck", "--readiness"]
 ENTRYPOINT ["llmesh"]

@@ -511,11 +511,39 @@ def _policy_port_covers(entry: dict[str, Any], name: str, number: int) -> bool:
     return int(value) <= number <= int(entry.get("endPort", value))
 
 
+def _session_roles(tier: str) -> frozenset[str]:
+    """The roles the tier's caller policy lets call its Session (services/common/authz.py)."""
+    from services.common.authz import TIER_POLICIES
+
+    policy = TIER_POLICIES.get(tier)
+    return policy.roles_for(f"/{policy.service}/{SESSION_METHOD}") if policy else frozenset()
+
+
+def _rule_components(rule: dict[str, Any]) -> set[str] | None:
+    """The mesh components an ingress rule admits, by their pods' component label; None
+    when it admits anything else (other namespaces, address blocks, any pod)."""
+    key = "app.kubernetes.io/component"
+    components: set[str] = set()
+    for peer in rule.get("from") or []:
+        pods = peer.get("podSelector")
+        if pods is None or set(peer) != {"podSelector"}:
+            return None
+        named = (pods.get("matchLabels") or {}).get(key)
+        chosen = [e for e in pods.get("matchExpressions") or []
+                  if e.get("key") == key and e.get("operator") == "In"]
+        if named is None and not chosen:
+            return None
+        components |= {named} if named is not None else {v for e in chosen for v in e.get("values", [])}
+    return components or None
+
+
 def check_session_reach(objects: list[dict[str, Any]], runs: list[Invocation], where: str,
                         report: Report) -> None:
     """Callers reach a Session tier's listener as they reach its gRPC port: on the same
     host (so every Service with the gRPC port has the session port, under the number
-    GetSessionEndpoint reports) and through the same NetworkPolicy rules."""
+    GetSessionEndpoint reports) and through the same NetworkPolicy rules, except rules
+    for peers the tier's caller policy does not let call Session (the router reads the
+    tokenizer's ListModels only)."""
     tiers = [inv for inv in runs if inv.settings is not None and serves_session(inv.tier)
              and inv.settings.session_port > 0]
     for inv in tiers:
@@ -550,6 +578,9 @@ def check_session_reach(objects: list[dict[str, Any]], runs: list[Invocation], w
                 grpc_in = any(_policy_port_covers(e, "grpc", grpc_port) for e in entries)
                 session_in = any(_policy_port_covers(e, SESSION_PORT_NAME, session_port) for e in entries)
                 if grpc_in != session_in:
+                    peers = _rule_components(rule)
+                    if grpc_in and peers is not None and not peers & _session_roles(inv.tier):
+                        continue  # these peers have no Session to call here
                     has, lacks = (("gRPC", grpc_port), ("session", session_port)) if grpc_in else (
                         ("session", session_port), ("gRPC", grpc_port))
                     report.problems.append(

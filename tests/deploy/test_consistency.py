@@ -226,7 +226,7 @@ def test_worker_device_and_engine_choices_are_checked(prod: list[dict[str, Any]]
 
 def test_session_tiers_are_found_from_the_protos() -> None:
     assert {t for t in consistency.TIERS if consistency.serves_session(t)} == {
-        "postprocessor", "router", "worker"}
+        "postprocessor", "router", "worker", "tokenizer"}
 
 
 def replace_arg(objects: list[dict[str, Any]], deployment: str, old: str, new: str | None) -> None:
@@ -245,7 +245,7 @@ def test_session_port_must_be_fixed_and_declared(prod: list[dict[str, Any]]) -> 
     replace_arg(objects, "llmesh-worker-zone-b", "--session-port=50082", "--session-port=-1")
     ports = container(objects, "llmesh-postprocessor")["ports"]
     next(p for p in ports if p["name"] == "session")["containerPort"] = 50064
-    container(objects, "llmesh-tokenizer")["ports"].append(
+    container(objects, "llmesh-gateway")["ports"].append(
         {"name": "session", "containerPort": 50060, "protocol": "TCP"})
     replace_arg(objects, "llmesh-worker-kunpeng", "--session-port=50082", "--session-port=9090")
     found = problems(objects)
@@ -258,7 +258,7 @@ def test_session_port_must_be_fixed_and_declared(prod: list[dict[str, Any]]) -> 
                for p in found)
     assert any("llmesh-postprocessor container postprocessor: containerPort session=50064 but "
                "--session-port=50063" in p for p in found)
-    assert any("llmesh-tokenizer container tokenizer: containerPort session but `llmesh tokenizer` "
+    assert any("llmesh-gateway container gateway: containerPort session but `llmesh gateway` "
                "serves no Session" in p for p in found)
     assert any("llmesh-worker-kunpeng container worker: --session-port=9090 is also --metrics-port" in p
                for p in found)
@@ -275,7 +275,7 @@ def test_session_port_must_be_where_the_grpc_port_is(prod: list[dict[str, Any]])
     workers = named(objects, "NetworkPolicy", "llmesh-workers-from-router")["spec"]["ingress"][0]
     workers["ports"] = [p for p in workers["ports"] if p["port"] != 50082]
     tiers = named(objects, "NetworkPolicy", "llmesh-tiers-from-gateway")["spec"]["ingress"][0]
-    tiers["ports"] = [p for p in tiers["ports"] if p["port"] != 50071]
+    tiers["ports"] = [p for p in tiers["ports"] if p["port"] not in (50071, 50065)]
     found = problems(objects)
     assert any("Service/llmesh-router exposes the gRPC port of router but not its session port 50072" in p
                for p in found)
@@ -286,6 +286,11 @@ def test_session_port_must_be_where_the_grpc_port_is(prod: list[dict[str, Any]])
     assert any("NetworkPolicy/llmesh-tiers-from-gateway ingress[0] lets peers reach the session port "
                "50072 of llmesh-router but not its gRPC port 50071" in p for p in found)
     assert not any("llmesh-postprocessor but not" in p for p in found)
+    # The gateway calls the tokenizer's Session; the router only its ListModels, so the
+    # router's rule (gRPC port alone) is right and the gateway's must have both.
+    assert any("NetworkPolicy/llmesh-tiers-from-gateway ingress[0] lets peers reach the gRPC port "
+               "50061 of llmesh-tokenizer but not its session port 50065" in p for p in found)
+    assert not any("llmesh-tokenizer-from-router" in p for p in found)
     # Named ports and port ranges count as the numbers they stand for.
     objects = copy.deepcopy(prod)
     workers = named(objects, "NetworkPolicy", "llmesh-workers-from-router")["spec"]["ingress"][0]

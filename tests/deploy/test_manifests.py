@@ -34,8 +34,9 @@ KUSTOMIZATIONS = [rel(d) for d in kustomization_dirs()]
 OVERLAYS = [rel(d) for d in overlay_dirs()]
 CPU_TIERS = ("gateway", "tokenizer", "postprocessor", "router")
 # The framed Session listener of each tier that serves Session, next to its gRPC port
-# (postprocessor 50062, router 50071, worker 50081); deploy/k8s/README.md lists them.
-SESSION_PORTS = {"postprocessor": 50063, "router": 50072, "worker": 50082}
+# (tokenizer 50061, postprocessor 50062, router 50071, worker 50081); deploy/k8s/README.md
+# lists them.
+SESSION_PORTS = {"tokenizer": 50065, "postprocessor": 50063, "router": 50072, "worker": 50082}
 MESH_CONFIG = "--mesh-config=/etc/llmesh/config/llmesh.yaml"
 
 
@@ -419,26 +420,30 @@ def test_session_tiers_listen_on_a_fixed_port_their_service_exposes(overlay: str
 
 def call_graph(objects: list[dict[str, Any]], where: str) -> set[tuple[str, str, int]]:
     """(caller component, callee Service, port) for every address a tier's settings dial,
-    and, where the callee serves Session, its session port: callers ask the gRPC port for
+    and, where the callee serves Session and the caller calls it (not the router's
+    tokenizer_target: ListModels only), its session port: callers ask the gRPC port for
     it and dial the same host (sessionwire.SessionOpener), i.e. the same Service."""
     report = consistency.Report()
     edges: set[tuple[str, str, int]] = set()
+    session_callers: set[tuple[str, str, int]] = set()
     stack = contextlib.ExitStack()
     runs = consistency.invocations(objects, where, report)
     services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
     for inv in runs:
         consistency.check_invocation(inv, report, stack)
         settings = inv.settings
-        targets: list[str] = []
+        targets: list[tuple[str, bool]] = []
         for name in ("tokenizer_targets", "router_targets", "postprocessor_targets"):
-            targets += list(getattr(settings, name, []) or [])
+            targets += [(t, True) for t in getattr(settings, name, []) or []]
         if getattr(settings, "tokenizer_target", ""):
-            targets.append(settings.tokenizer_target)
-        targets += [t.name for t in getattr(settings, "dns_targets", []) or []]
-        for target in targets:
+            targets.append((settings.tokenizer_target, False))
+        targets += [(t.name, True) for t in getattr(settings, "dns_targets", []) or []]
+        for target, session in targets:
             host, _, port = target.removeprefix("dns:///").rpartition(":")
             edges.add((inv.tier, host.split(".")[0], int(port)))
-    for caller, service, grpc_port in list(edges):
+            if session:
+                session_callers.add((inv.tier, host.split(".")[0], int(port)))
+    for caller, service, grpc_port in session_callers:
         if service not in services:
             continue
         selector = {"matchLabels": services[service]["spec"]["selector"]}
@@ -467,7 +472,9 @@ def test_network_policies_allow_exactly_the_mesh_calls(overlay: str, rendered: d
     edges = call_graph(objects, overlay)
     assert ("gateway", "llmesh-router", 50071) in edges and any(e[0] == "router" for e in edges)
     # Session frames on the callee's own port, from the same callers as its gRPC port.
-    assert {("gateway", "llmesh-router", 50072), ("gateway", "llmesh-postprocessor", 50063)} <= edges
+    assert {("gateway", "llmesh-router", 50072), ("gateway", "llmesh-postprocessor", 50063),
+            ("gateway", "llmesh-tokenizer", 50065)} <= edges
+    assert ("router", "llmesh-tokenizer", 50065) not in edges  # ListModels only
     assert ("router", "llmesh-worker-kunpeng", 50082) in edges
 
     def allowed(src_pod: str, dst_pod: str, port: int) -> bool:
