@@ -55,7 +55,7 @@ EXPECTED: dict[str, dict[str, set[str]]] = {
     "worker": {"Generate": {"router"}, "GenerateBatch": {"router"}, "Session": {"router"},
                "Abort": {"router"}, "GetLoad": {"router", "operator"}, "WatchLoad": {"router", "operator"},
                "GetModelInfo": {"router", "operator"}},
-    "tokenizer": {"Encode": {"gateway"}, "EncodeBatch": {"gateway"},
+    "tokenizer": {"Encode": {"gateway"}, "EncodeBatch": {"gateway"}, "Session": {"gateway"},
                   "ListModels": {"gateway", "router", "operator"}},
     "postprocessor": {"Process": {"gateway"}, "Session": {"gateway"}},
 }
