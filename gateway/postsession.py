@@ -249,7 +249,8 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
     def _open(self, opener: SessionOpener,
               messages: AsyncIterator[postprocess_pb2.SessionRequest]) -> Any:
         stub = postprocess_pb2_grpc.PostprocessServiceStub(opener.channel)
-        return opener.open(SESSION_METHOD, stub.Session, messages, postprocess_pb2.SessionResponse)
+        return opener.open(SESSION_METHOD, stub.Session, messages, postprocess_pb2.SessionResponse,
+                           awaiting=self.awaiting)
 
     def _new_message(self) -> postprocess_pb2.SessionRequest:
         return postprocess_pb2.SessionRequest()

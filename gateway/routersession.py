@@ -100,7 +100,8 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
     # -- internals -------------------------------------------------------------------
     def _open(self, opener: SessionOpener, messages: AsyncIterator[router_pb2.SessionRequest]) -> Any:
         stub = router_pb2_grpc.RouterServiceStub(opener.channel)
-        return opener.open(SESSION_METHOD, stub.Session, messages, router_pb2.SessionResponse)
+        return opener.open(SESSION_METHOD, stub.Session, messages, router_pb2.SessionResponse,
+                           awaiting=self.awaiting)
 
     def _new_message(self) -> router_pb2.SessionRequest:
         return router_pb2.SessionRequest()

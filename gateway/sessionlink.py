@@ -135,6 +135,13 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
     def broken(self) -> bool:
         return self.failure is not None
 
+    def awaiting(self) -> bool:
+        """Whether any request on the link still waits for the replica: an idle link
+        neither pings nor minds the replica's silence (sessionwire.FramedCall), so an idle
+        gateway costs its replicas no wake-ups. A replica that broke meanwhile is found by
+        the next request, within DEAD_AFTER_S, as it would be on a link just opened."""
+        return bool(self.requests)
+
     async def close(self) -> None:
         self._fail(TierUnavailable(self.closed_message))
         self._call.cancel()

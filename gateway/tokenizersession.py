@@ -73,7 +73,8 @@ class TokenizerSessionLink(
 
     def _open(self, opener: SessionOpener, messages: AsyncIterator[tokenizer_pb2.SessionRequest]) -> Any:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(opener.channel)
-        return opener.open(SESSION_METHOD, stub.Session, messages, tokenizer_pb2.SessionResponse)
+        return opener.open(SESSION_METHOD, stub.Session, messages, tokenizer_pb2.SessionResponse,
+                           awaiting=self.awaiting)
 
     def _new_message(self) -> tokenizer_pb2.SessionRequest:
         return tokenizer_pb2.SessionRequest()

@@ -449,9 +449,12 @@ class SessionOpener:
         """Calls opened so far over each transport (tests, logs)."""
 
     def open(self, method: str, grpc_call: Callable[[AsyncIterator[Any]], Any],
-             messages: AsyncIterator[Any], response_type: type[Message]) -> FramedCall:
-        """A Session call that sends ``messages``: over the listener, or ``grpc_call(messages)``."""
-        return FramedCall(self, method, grpc_call, messages, response_type)
+             messages: AsyncIterator[Any], response_type: type[Message], *,
+             awaiting: Callable[[], bool] | None = None) -> FramedCall:
+        """A Session call that sends ``messages``: over the listener, or ``grpc_call(messages)``.
+        With ``awaiting``, the caller pings only while it says an answer is awaited (see
+        :class:`FramedCall`)."""
+        return FramedCall(self, method, grpc_call, messages, response_type, awaiting=awaiting)
 
     async def port(self) -> int:
         """The peer's listener port (0: call it over gRPC)."""
@@ -504,10 +507,18 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class FramedCall:
     """A Session call as the tiers' links use a grpc.aio one: iterated for the responses
     (``grpc.aio.AioRpcError`` when it fails), ``cancel()``-ed; over the peer's listener,
-    or over gRPC when it has none."""
+    or over gRPC when it has none.
+
+    ``awaiting`` (the caller's "is an answer owed to me?") makes an idle call quiet: while
+    it says no, the call neither pings nor counts the peer's silence, and its keepalive
+    timer stops, so an idle session costs neither side a wake-up. The next message sent
+    starts the clock again: a peer that then stays silent for :data:`DEAD_AFTER_S` is
+    given up as before. Without it the call pings whenever it has heard nothing for
+    :data:`PING_IDLE_S`, whatever it is waiting for."""
 
     def __init__(self, opener: SessionOpener, method: str, grpc_call: Callable[[AsyncIterator[Any]], Any],
-                 messages: AsyncIterator[Any], response_type: type[Message]) -> None:
+                 messages: AsyncIterator[Any], response_type: type[Message], *,
+                 awaiting: Callable[[], bool] | None = None) -> None:
         self._opener = opener
         self._method = method
         self._grpc_call = grpc_call
@@ -521,6 +532,7 @@ class FramedCall:
         self._keepalive: asyncio.TimerHandle | None = None
         self._last_heard = 0.0
         self._broken: str | None = None
+        self._awaiting = awaiting
         self._opening = asyncio.ensure_future(self._open())
 
     @property
@@ -573,6 +585,11 @@ class FramedCall:
         try:
             async for message in self._messages:
                 writer.write(frame(MESSAGE, message.SerializeToString()))
+                if self._keepalive is None and not self._cancelled:
+                    # Quiet while idle: an answer is owed from now on.
+                    loop = asyncio.get_running_loop()
+                    self._last_heard = loop.time()
+                    self._keepalive = loop.call_later(PING_IDLE_S, self._tick)
                 await writer.drain()
             writer.write(frame(END))
         except (ConnectionError, RuntimeError):
@@ -581,6 +598,9 @@ class FramedCall:
     def _tick(self) -> None:
         writer = self._writer
         if writer is None or self._cancelled:
+            return
+        if self._awaiting is not None and not self._awaiting():
+            self._keepalive = None  # idle: quiet until the next message goes out
             return
         loop = asyncio.get_running_loop()
         silent = loop.time() - self._last_heard

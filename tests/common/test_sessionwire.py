@@ -221,6 +221,45 @@ async def test_a_silent_peer_is_given_up(monkeypatch: pytest.MonkeyPatch) -> Non
     mute_server.close()
 
 
+async def test_a_call_with_nothing_awaited_is_quiet_until_it_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``awaiting`` saying no answer is owed, the call sends no pings and minds no
+    silence (an idle gateway wakes none of its replicas); the next message starts the
+    clock, and a peer silent from then on is given up after DEAD_AFTER_S."""
+    monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
+    monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)
+    received = bytearray()
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(65536):
+            received.extend(chunk)
+
+    mute_server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    owed = False
+    more = asyncio.Event()
+
+    async def requests() -> AsyncIterator[worker_pb2.SessionRequest]:
+        yield submit(1)
+        await more.wait()
+        yield submit(2)
+        await asyncio.Event().wait()
+
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        opener._port = mute_server.sockets[0].getsockname()[1]  # a peer that never answers
+        session = opener.channel.stream_stream(METHOD)
+        call = opener.open(METHOD, session, requests(), worker_pb2.SessionResponse, awaiting=lambda: owed)
+        reading = asyncio.ensure_future(handles_of(call))
+        await asyncio.sleep(1.0)  # over three times DEAD_AFTER_S with nothing owed
+        assert not reading.done()
+        assert frame(sessionwire.PING) not in bytes(received)
+        owed = True
+        more.set()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(reading, 5)
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert frame(sessionwire.PING) in bytes(received)  # asked, once an answer was owed
+    mute_server.close()
+
+
 async def test_pings_keep_an_idle_session_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
     monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)
