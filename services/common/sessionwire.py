@@ -28,7 +28,8 @@ exceptions mapped to a status with their ``google.rpc`` details
 and the handler cancelled when the caller goes away (connection closed without ``END``).
 A caller that hears nothing for :data:`PING_IDLE_S` pings, and gives the connection up as
 broken (``UNAVAILABLE``) after :data:`DEAD_AFTER_S` of silence: a stopped or cut-off
-peer shows within seconds, as gRPC's keepalive shows it.
+peer shows within seconds, as gRPC's keepalive shows it. A caller that tells the call
+when it awaits no answer (:class:`FramedCall`'s ``awaiting``) stays quiet meanwhile.
 
 Callers find the listener by asking the peer's gRPC port
 (``llmesh.common.v1.SessionTransportService/GetSessionEndpoint``, :class:`SessionOpener`);
