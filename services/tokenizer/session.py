@@ -43,7 +43,6 @@ class EncodeMux:
         self._frame = tokenizer_pb2.SessionResponse()
         self._flush_scheduled = False
         self._out: asyncio.Queue[tokenizer_pb2.SessionResponse | None] = asyncio.Queue()
-        self.frames_sent = 0
 
     async def serve(
         self, messages: AsyncIterator[tokenizer_pb2.SessionRequest]
@@ -53,7 +52,6 @@ class EncodeMux:
         reader = asyncio.ensure_future(self._read(messages))
         try:
             while (frame := await self._out.get()) is not None:
-                self.frames_sent += 1
                 yield frame
             await reader  # a broken input ends the call with its error
         finally:

@@ -12,6 +12,7 @@ gateway's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,21 @@ async def test_a_requests_error_is_the_error_of_encode(tokenizer):
         await calls.close()
 
 
+@contextlib.asynccontextmanager
+async def serving(servicer: type[TokenizerServicer], model_dir: Path) -> AsyncIterator[str]:
+    """A tokenizer of ``servicer``'s kind on a plain gRPC server (no framed listener)."""
+    core = build_core(TokenizerSettings(models=[f"{MODEL}={model_dir}"]))
+    server = grpc.aio.server()
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer(core), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+        core.close()
+
+
 class OlderTokenizer(TokenizerServicer):
     """A release before Session: the servicer without it, on a plain gRPC server."""
 
@@ -119,22 +135,16 @@ class OlderTokenizer(TokenizerServicer):
 
 
 async def test_a_replica_without_session_gets_encode_calls(tiny_deepseek_dir: Path):
-    core = build_core(TokenizerSettings(models=[f"{MODEL}={tiny_deepseek_dir}"]))
-    server = grpc.aio.server()
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(OlderTokenizer(core), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    tier = SessionTokenizerTier([f"127.0.0.1:{port}"])
-    calls = GrpcTokenizerTier([f"127.0.0.1:{port}"])
-    try:
-        assert await _encode_all(tier) == await _encode_all(calls)
-        assert tier.links.uses_calls(0)  # until asked again, Encode calls go there
-        assert (await _encode_all(tier))[0].token_ids
-    finally:
-        await tier.close()
-        await calls.close()
-        await server.stop(0)
-        core.close()
+    async with serving(OlderTokenizer, tiny_deepseek_dir) as target:
+        tier = SessionTokenizerTier([target])
+        calls = GrpcTokenizerTier([target])
+        try:
+            assert await _encode_all(tier) == await _encode_all(calls)
+            assert tier.links.uses_calls(0)  # until asked again, Encode calls go there
+            assert (await _encode_all(tier))[0].token_ids
+        finally:
+            await tier.close()
+            await calls.close()
 
 
 async def test_a_dead_replicas_request_moves_to_the_next(tokenizer):
@@ -157,21 +167,15 @@ class SilentTokenizer(TokenizerServicer):
 
 
 async def test_a_replica_that_never_answers_gives_the_requests_deadline(tiny_deepseek_dir: Path):
-    core = build_core(TokenizerSettings(models=[f"{MODEL}={tiny_deepseek_dir}"]))
-    server = grpc.aio.server()
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(SilentTokenizer(core), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    tier = SessionTokenizerTier([f"127.0.0.1:{port}"])
-    try:
-        with pytest.raises(errors.DeadlineExceeded):
-            await tier.encode(MODEL, "hello", [], add_generation_prompt=None, timeout=0.3)
-        link = tier.links[0]
-        assert link is not None and not link.requests  # the late answer has nowhere to go
-    finally:
-        await tier.close()
-        await server.stop(0)
-        core.close()
+    async with serving(SilentTokenizer, tiny_deepseek_dir) as target:
+        tier = SessionTokenizerTier([target])
+        try:
+            with pytest.raises(errors.DeadlineExceeded):
+                await tier.encode(MODEL, "hello", [], add_generation_prompt=None, timeout=0.3)
+            link = tier.links[0]
+            assert link is not None and not link.requests  # the late answer has nowhere to go
+        finally:
+            await tier.close()
 
 
 @pytest.fixture
