@@ -9,12 +9,23 @@ import grpc
 
 from services.common.settings import TlsSettings
 
-# Keepalive pings every 500 ms with a 500 ms timeout: a partitioned or stopped peer is
-# noticed within about a second even when no call is active.
+# Keepalive pings every 2 s with a 2 s timeout (the Sessions give a silent peer 2 s too),
+# and only while a call is open: a peer that stops answering under an open call (the
+# gateway's health Watch of each router, a unary call in flight) is noticed within about
+# 4 s. Faster signals sit above this one:
+# the Sessions ping while a request awaits an answer (services/common/sessionwire.py), and
+# the router's load stream from every worker misses its deadline (load_timeout_ms) first.
+# A channel with no call sends nothing: every ping wakes gRPC's event-engine threads in
+# both processes and keeps their idle back-off short, which an idle mesh paid in every
+# tier (docs/benchmarks.md, 6 December 2026).
 KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 500),
-    ("grpc.keepalive_timeout_ms", 500),
-    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    # grpcio 1.85 times an unanswered keepalive ping out with the transport's ping
+    # timeout (60 s unless set), not keepalive_timeout_ms: without this a frozen peer
+    # held an open call for a minute (tests/common/test_idle_wakeups.py).
+    ("grpc.http2.ping_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
     # Reconnect quickly after a peer comes back.
     ("grpc.initial_reconnect_backoff_ms", 100),

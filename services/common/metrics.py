@@ -6,7 +6,12 @@ interceptor records for every RPC.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, make_wsgi_app
 
 RPC_REQUESTS = Counter(
     "llmesh_rpc_requests",
@@ -43,10 +48,29 @@ def record_request(tier: str, method: str, code: str, seconds: float) -> None:
     RPC_LATENCY.labels(tier, method).observe(seconds)
 
 
+class _MetricsHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not logged (one line per scrape every few seconds otherwise)."""
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
 def start_metrics_server(port: int, host: str = "127.0.0.1",
                          registry: CollectorRegistry = REGISTRY) -> int:
-    """Serve /metrics; returns the bound port (``port=0`` picks one), or -1 if disabled."""
+    """Serve /metrics; returns the bound port (``port=0`` picks one), or -1 if disabled.
+
+    The listener's thread blocks in its selector until a scrape arrives: prometheus_client's
+    own server polls twice a second for a shutdown that never comes here (the thread is a
+    daemon), a wakeup that costs every tier CPU on an idle mesh.
+    """
     if port < 0:
         return -1
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return int(server.server_port)
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})
+    httpd: WSGIServer = make_server(host, port, make_wsgi_app(registry), server_class,
+                                    handler_class=_MetricsHandler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": None},
+                     name="metrics-http", daemon=True).start()
+    return int(httpd.server_port)
