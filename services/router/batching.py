@@ -332,7 +332,8 @@ class BatchDispatcher:
     def _send_session(self, batch: list[tuple[AttemptStream, TokenRequest, float | None]]) -> None:
         """One message with every submission of the window; frames come back per step."""
         if self._link is None:
-            self._link = self.client.open_session()
+            # Quiet while idle: no request on the link waits for output.
+            self._link = self.client.open_session(awaiting=self._awaiting)
             self._reader = asyncio.ensure_future(self._read_session(self._link))
         submits = []
         for stream, request, deadline in batch:
@@ -344,6 +345,9 @@ class BatchDispatcher:
             submits.append(SessionSubmit(stream.handle, request, timeout, stream.traceparent))
             stream.submitted = (request, deadline)
         self._link.send(submits, [])
+
+    def _awaiting(self) -> bool:
+        return bool(self._by_handle)
 
     async def _read_session(self, link: WorkerSessionLink) -> None:
         error = WorkerCallError("transport", "UNAVAILABLE", "worker session ended")

@@ -6,7 +6,7 @@ tests may substitute an in-process double.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,8 +94,10 @@ class WorkerClient(Protocol):
         """Stream (request_id, delta-or-final) of several requests in one call."""
         ...
 
-    def open_session(self) -> WorkerSessionLink:
-        """Start a session (the router's ``worker_transport: session``)."""
+    def open_session(self, awaiting: Callable[[], bool] | None = None) -> WorkerSessionLink:
+        """Start a session (the router's ``worker_transport: session``). ``awaiting``
+        says whether any request on it still waits for output: while it says no, the
+        session neither pings nor minds the worker's silence (services/common/sessionwire.py)."""
         ...
 
     async def has_session(self, timeout: float) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -116,10 +116,12 @@ SESSION_METHOD = "/llmesh.worker.v1.WorkerService/Session"
 WATCH_LOAD_METHOD = "/llmesh.worker.v1.WorkerService/WatchLoad"
 
 
-def _session_call(opener: SessionOpener, messages: AsyncIterator[worker_pb2.SessionRequest]) -> Any:
+def _session_call(opener: SessionOpener, messages: AsyncIterator[worker_pb2.SessionRequest],
+                  awaiting: Callable[[], bool] | None = None) -> Any:
     """A worker Session call: over the worker's framed listener, or over gRPC."""
     stub = worker_pb2_grpc.WorkerServiceStub(opener.channel)
-    return opener.open(SESSION_METHOD, stub.Session, messages, worker_pb2.SessionResponse)
+    return opener.open(SESSION_METHOD, stub.Session, messages, worker_pb2.SessionResponse,
+                       awaiting=awaiting)
 
 
 async def _one(request: worker_pb2.WatchLoadRequest) -> AsyncIterator[worker_pb2.WatchLoadRequest]:
@@ -137,9 +139,9 @@ class GrpcSessionLink:
     services/common/sessionwire.py): submissions and aborts go out through a queue (one
     writer), frames come back in column layout and are split into per-request events."""
 
-    def __init__(self, opener: SessionOpener) -> None:
+    def __init__(self, opener: SessionOpener, awaiting: Callable[[], bool] | None = None) -> None:
         self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
-        self._call = _session_call(opener, self._requests())
+        self._call = _session_call(opener, self._requests(), awaiting)
 
     async def _requests(self) -> AsyncIterator[worker_pb2.SessionRequest]:
         while (message := await self._outbox.get()) is not None:
@@ -167,7 +169,9 @@ class GrpcSessionLink:
 
 
 class GrpcWorkerClient:
-    """One keepalive channel to a worker (a stopped or partitioned peer shows within ~1 s)."""
+    """Channels to a worker: traced generations, untraced control (load and health
+    watches) and, apart, the Session (a stopped or partitioned worker shows by its missed
+    load reports, load_timeout_ms)."""
 
     def __init__(self, address: str, *, tls: TlsSettings | None = None) -> None:
         self.address = address
@@ -229,8 +233,8 @@ class GrpcWorkerClient:
             self._sessions = SessionOpener(self.session_channel, self.address, tls=self._tls)
         return self._sessions
 
-    def open_session(self) -> GrpcSessionLink:
-        return GrpcSessionLink(self._opener())
+    def open_session(self, awaiting: Callable[[], bool] | None = None) -> GrpcSessionLink:
+        return GrpcSessionLink(self._opener(), awaiting)
 
     async def has_session(self, timeout: float) -> bool:
         """Whether the worker serves Session: one call that sends nothing and ends its

@@ -11,7 +11,7 @@ import pytest
 
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2
-from services.common.generation import Delta, TokenRequest
+from services.common.generation import Delta, Final, FinishReason, TokenRequest
 from services.router.batching import AdaptiveWindow, BatchDispatcher
 from services.router.breaker import Circuit, CircuitBreaker
 from services.router.health import WorkerMonitor
@@ -173,7 +173,8 @@ class _SessionClient:
     def __init__(self) -> None:
         self.link = _RecordingLink()
 
-    def open_session(self) -> _RecordingLink:
+    def open_session(self, awaiting=None) -> _RecordingLink:  # type: ignore[no-untyped-def]
+        self.awaiting = awaiting
         return self.link
 
 
@@ -197,6 +198,50 @@ async def test_a_lone_request_is_not_held_for_a_window_under_pressure() -> None:
         dispatcher.submit(TokenRequest(request_id="c"), None)  # right behind a dispatch
         await asyncio.sleep(0)
         assert client.link.messages == [["a", "b"]] and dispatcher.queued == 1
+    finally:
+        await dispatcher.close()
+
+
+class _ScriptedLink(_RecordingLink):
+    """A session link whose worker output the test pushes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output: asyncio.Queue[tuple[int, object] | None] = asyncio.Queue()
+
+    async def events(self):  # type: ignore[no-untyped-def]
+        while (item := await self.output.get()) is not None:
+            yield item
+
+    async def close(self) -> None:
+        self.output.put_nowait(None)
+
+
+async def test_the_worker_session_awaits_only_while_a_request_waits_for_output() -> None:
+    """The router's worker Session is quiet while idle (no pings, silence not counted:
+    services/common/sessionwire.py): the dispatcher tells the link whether any request on
+    it still waits, from submission until its final."""
+    client = _SessionClient()
+    client.link = _ScriptedLink()
+    dispatcher = BatchDispatcher(client, AdaptiveWindow(max_wait_ms=0, max_size=8), lambda: 0.0,  # type: ignore[arg-type]
+                                 session=True)
+    try:
+        first = dispatcher.submit(TokenRequest(request_id="a"), None)
+        second = dispatcher.submit(TokenRequest(request_id="b"), None)
+        await asyncio.sleep(0)
+        assert client.link.messages == [["a"], ["b"]]  # no window: each goes at once
+        awaiting = client.awaiting
+        assert awaiting is not None and awaiting()
+        client.link.output.put_nowait((first.handle, Delta([7])))
+        client.link.output.put_nowait((first.handle, Final(FinishReason.LENGTH, completion_tokens=1)))
+        await wait_for(lambda: first.done, timeout=5)
+        assert awaiting(), "b still waits for output"
+        client.link.output.put_nowait((second.handle, Final(FinishReason.LENGTH)))
+        await wait_for(lambda: second.done, timeout=5)
+        assert not awaiting()
+        dispatcher.submit(TokenRequest(request_id="c"), None)
+        await asyncio.sleep(0)
+        assert awaiting() and client.link.messages[-1] == ["c"]
     finally:
         await dispatcher.close()
 
