@@ -10,16 +10,17 @@ import grpc
 from services.common.settings import TlsSettings
 
 # Keepalive pings every 2 s with a 2 s timeout (the Sessions give a silent peer 2 s too),
-# and only while a call is open: a peer that stops answering under an open call (the
-# gateway's health Watch of each router, a unary call in flight) is noticed within about
-# 4 s. Faster signals sit above this one:
-# the Sessions ping while a request awaits an answer (services/common/sessionwire.py), and
-# the router's load stream from every worker misses its deadline (load_timeout_ms) first.
-# A channel with no call sends nothing: every ping wakes gRPC's event-engine threads in
-# both processes and keeps their idle back-off short, which an idle mesh paid in every
-# tier (docs/benchmarks.md, 6 December 2026).
+# and only while a call is open: a peer that stops answering under an open call (a unary
+# call in flight) is noticed within about 4 s. Faster signals sit above this one: the
+# Sessions ping while a request awaits an answer (services/common/sessionwire.py), and the
+# router's load stream from every worker misses its deadline (load_timeout_ms) first. A
+# channel with no call sends nothing: every ping wakes gRPC's event-engine threads in both
+# processes and keeps their idle back-off short, which an idle mesh paid in every tier
+# (docs/benchmarks.md, 6 December 2026). Calls held open for as long as the mesh runs (the
+# health Watches) ping more rarely: see create_channel's keepalive_time_ms.
+KEEPALIVE_TIME_MS = 2000
 KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", 2000),
     # grpcio 1.85 times an unanswered keepalive ping out with the transport's ping
     # timeout (60 s unless set), not keepalive_timeout_ms: without this a frozen peer
@@ -32,6 +33,15 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+IDLE_TIMEOUT_MS = 60_000
+"""A channel without a call for this long closes its connection (gRPC's default: 30
+minutes) and opens one again at its next call, a millisecond or two on loopback. The
+keepalive timer of a connected transport fires every ``keepalive_time_ms`` whether or not
+a call is open, and each firing wakes gRPC's event-engine threads: a channel used once (a
+Session endpoint lookup, a start-up check) cost its process about 0.5 ms of CPU per
+second for good. Above the gateway's 30 s model-list refresh, so a serving gateway keeps
+its tokenizer channel connected."""
 
 # Servers must accept those frequent pings instead of answering GOAWAY too_many_pings.
 SERVER_KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -90,13 +100,25 @@ def create_channel(
     tls: TlsSettings | None = None,
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
     keepalive: bool = True,
+    keepalive_time_ms: int = KEEPALIVE_TIME_MS,
+    idle_timeout_ms: int = IDLE_TIMEOUT_MS,
     server_name_override: str = "",
     extra_options: Sequence[tuple[str, object]] = (),
 ) -> grpc.aio.Channel:
-    """An aio channel to ``target`` (host:port, or dns:///name:port for re-resolution)."""
-    options: list[tuple[str, object]] = list(MESSAGE_SIZE_OPTIONS)
+    """An aio channel to ``target`` (host:port, or dns:///name:port for re-resolution).
+
+    ``keepalive_time_ms`` spaces the pings under an open call (the timeout stays 2 s). A
+    call held open all the time, a health Watch, pings for as long as the mesh runs, and
+    each ping costs both processes a burst of event-engine wakeups (about 1.5 ms of CPU
+    per second per call): such a channel pings more rarely when something else notices
+    its peer first, or when its bound only has to beat a slower probe.
+    """
+    options: list[tuple[str, object]] = [
+        *MESSAGE_SIZE_OPTIONS, ("grpc.client_idle_timeout_ms", idle_timeout_ms),
+    ]
     if keepalive:
-        options += list(KEEPALIVE_OPTIONS)
+        options += [(name, keepalive_time_ms if name == "grpc.keepalive_time_ms" else value)
+                    for name, value in KEEPALIVE_OPTIONS]
     if server_name_override:
         options.append(("grpc.ssl_target_name_override", server_name_override))
     if target.startswith("dns:"):
