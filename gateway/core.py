@@ -105,6 +105,35 @@ class PostprocessorTier(Protocol):
     async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> PostSession: ...
 
 
+class DeltaSink(Protocol):
+    """A consumer that takes released text at once, from the frame reader that released it
+    (the HTTP surface writes it straight to the connection). The stream's own iterator
+    carries whatever the sink does not take, so the order holds: text goes to the sink
+    only while nothing waits in the iterator before it."""
+
+    def ready(self) -> bool:
+        """Whether :meth:`send` may be called now."""
+        ...
+
+    def send(self, delta: TextDelta) -> None:
+        """Pass the delta on without blocking."""
+        ...
+
+
+class _RecordedSink:
+    """A sink that also keeps the text it passed on, for the request's audit entry."""
+
+    def __init__(self, sink: DeltaSink, parts: list[str]) -> None:
+        self.sink, self.parts = sink, parts
+
+    def ready(self) -> bool:
+        return self.sink.ready()
+
+    def send(self, delta: TextDelta) -> None:
+        self.parts.append(delta.text)
+        self.sink.send(delta)
+
+
 @dataclass
 class Deadline:
     """The client's deadline as a monotonic instant (None = no deadline)."""
@@ -303,9 +332,12 @@ class GatewayCore:
 
     async def generate_stream(
         self, tenant: Tenant, call: GenerateCall, deadline: Deadline, *, pacing: Pacing | None = None,
+        sink: DeltaSink | None = None,
     ) -> AsyncIterator[TextDelta | Completion]:
         """Text deltas as the postprocessor releases them, grouped by ``pacing`` (default: the
-        call's stream options over the deployment's), then one Completion."""
+        call's stream options over the deployment's), then one Completion. With ``sink``,
+        the deltas it is ready for go to it instead of through the iterator (no task wakes
+        per delta); the iterator still ends with the Completion."""
         start = time.monotonic()
         limits = self.config.limits
         # Until validate_request passes, what the client sent is only logged clipped.
@@ -347,7 +379,8 @@ class GatewayCore:
             )
             stream = _Stream(self, post_config, deadline,
                              want_tokens=call.sampling.logprobs is not None,
-                             pacing=pacing or Pacing.for_call(call, self.config))
+                             pacing=pacing or Pacing.for_call(call, self.config),
+                             sink=_RecordedSink(sink, output_parts) if sink is not None else None)
             # The postprocessor request opens while the prompt is encoded: its set-up is off
             # the path of the first token (the router and worker), not in its way.
             await stream.open()
@@ -464,8 +497,10 @@ class _Stream:
     def __init__(
         self, core: GatewayCore, post_config: PostConfig,
         deadline: Deadline, *, want_tokens: bool, pacing: Pacing = WHOLE,
+        sink: DeltaSink | None = None,
     ) -> None:
         self.core = core
+        self.sink = sink
         self.generation: TokenGeneration
         """Set by :meth:`run` (the token ids come from the tokenizer, after :meth:`open`)."""
         self.started = False
@@ -775,13 +810,30 @@ class _Stream:
             # it, a delta per ``interval`` pieces, or when the hold expires. Pieces, not
             # tokens received: the router runs ahead of the postprocessor.
             if self.pacing.interval and (first or len(self.held_parts) == self.pacing.interval):
-                self.events.put_nowait(("release", None, self.sends))
+                self._due()
             elif self.hold_timer is None and self.pacing.max_delay_s is not None:
                 self.hold_timer = asyncio.get_running_loop().call_later(
-                    self.pacing.max_delay_s, self.events.put_nowait, ("release", None, self.sends),
+                    self.pacing.max_delay_s, self._hold_expired, self.sends,
                 )
         except Exception as exc:
             self.events.put_nowait(("error", _unexpected("postprocessor", exc), gen))
+
+    def _hold_expired(self, sends: int) -> None:
+        """The hold timer armed at delta ``sends``: due unless a release took the text."""
+        if sends == self.sends and self.held_parts:
+            try:
+                self._due()
+            except Exception as exc:
+                self.events.put_nowait(("error", _unexpected("postprocessor", exc), self.session_gen))
+
+    def _due(self) -> None:
+        """The held text is due: to the sink at once when it is ready and nothing waits in
+        the pump before it (the order holds), else through the pump."""
+        sink = self.sink
+        if sink is not None and self.events.empty() and sink.ready():
+            sink.send(self._release())
+        else:
+            self.events.put_nowait(("release", None, self.sends))
 
     def _release(self) -> TextDelta:
         """The held text as one delta; the next text starts a new one (and a new timer)."""
