@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from gateway import metrics
 from gateway.core import Deadline, GatewayCore
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant
@@ -251,22 +252,26 @@ class _SseWriter:
     compression on this surface)."""
 
     def __init__(self) -> None:
-        self.transport: asyncio.BaseTransport | None = None
+        self.transport: asyncio.Transport | None = None
         self.chunked = False
         self.head = self.tail = b""
+        self.sent = 0
+        """Events written here (the rest went through the handler)."""
 
     def start(self, request: web.Request, response: web.StreamResponse, head: bytes, tail: bytes) -> None:
         self.transport, self.chunked, self.head, self.tail = request.transport, response.chunked, head, tail
 
     def ready(self) -> bool:
+        # Duck-typed: uvloop's transports are not asyncio.Transport subclasses.
         transport = self.transport
-        return (isinstance(transport, asyncio.WriteTransport) and not transport.is_closing()
+        return (transport is not None and not transport.is_closing()
                 and transport.get_write_buffer_size() < _WRITE_LIMIT)
 
     def send(self, delta: TextDelta) -> None:
-        assert isinstance(self.transport, asyncio.WriteTransport)
+        assert self.transport is not None
         event = self.head + json.dumps(delta.text).encode() + self.tail
         self.transport.write(b"%x\r\n%b\r\n" % (len(event), event) if self.chunked else event)
+        self.sent += 1
 
 
 def _authenticate(request: web.Request) -> Tenant:
@@ -330,6 +335,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except LlmeshError as exc:
         return _json_error(exc, body)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    if request.version >= (1, 1):
+        # What aiohttp would choose itself, said outright: the direct writer frames its
+        # events by response.chunked.
+        response.enable_chunked_encoding()
     await response.prepare(request)
     chunk_name = "chat.completion.chunk" if chat else "text_completion"
 
@@ -348,6 +357,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     # the text is encoded per delta.
     head, tail = _delta_event_parts(chunk({"content": _TEXT_MARK} if chat else _TEXT_MARK, None))
 
+    awaited = 0
     try:
         if chat:
             await send(chunk({"role": "assistant", "content": ""}, None))
@@ -355,6 +365,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         while True:
             if isinstance(item, TextDelta):
                 await response.write(head + json.dumps(item.text).encode() + tail)
+                awaited += 1
                 if direct.transport is None:  # headers and a first event are out
                     direct.start(request, response, head, tail)
             else:
@@ -380,6 +391,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         await send(body_err)
     finally:
         await items.aclose()  # type: ignore[attr-defined]
+        metrics.HTTP_STREAM_EVENTS.labels("direct").inc(direct.sent)
+        metrics.HTTP_STREAM_EVENTS.labels("awaited").inc(awaited)
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -43,6 +43,13 @@ FAILOVERS = Counter(
     ["tier", "kind"],
 )
 
+HTTP_STREAM_EVENTS = Counter(
+    "llmesh_gateway_http_stream_events",
+    "Text events of streamed HTTP responses, by how they went out: direct (written by the code "
+    "that released the text) or awaited (the handler's write, which waits for a slow client).",
+    ["path"],
+)
+
 
 def record_completion(completion: Completion, tenant: str) -> None:
     model = completion.model

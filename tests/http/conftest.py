@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +41,20 @@ def running_mesh(config: MeshConfig, log_dir: Path) -> Iterator[Mesh]:
 
 def http_base(mesh: Mesh) -> str:
     return f"http://{mesh.config.gateway.host}:{mesh.config.gateway.http_port}/v1"
+
+
+def stream_events(mesh: Mesh) -> dict[str, float]:
+    """The gateway's streamed HTTP text events so far, by how they went out (direct,
+    awaited): from its /metrics."""
+    [gateway] = [p for p in mesh.procs if p.tier == "gateway"]
+    url = f"http://127.0.0.1:{gateway.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    counts = {"direct": 0.0, "awaited": 0.0}
+    for line in text.splitlines():
+        match = re.match(r'^llmesh_gateway_http_stream_events_total\{path="(\w+)"\} (\S+)$', line)
+        if match:
+            counts[match.group(1)] = float(match.group(2))
+    return counts
 
 
 def client(mesh: Mesh, key: str = DEMO_KEY) -> openai.OpenAI:

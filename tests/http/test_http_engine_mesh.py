@@ -10,7 +10,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from llmesh.up import Mesh
-from tests.http.conftest import client
+from tests.http.conftest import client, stream_events
 
 pytestmark = pytest.mark.engine
 
@@ -25,10 +25,14 @@ def test_chat_paris_streamed_equals_non_streamed(engine_mesh: Mesh) -> None:
     assert "Paris" in answer
     assert unary.choices[0].finish_reason in ("stop", "length")
     assert unary.usage is not None and unary.usage.completion_tokens > 0
+    before = stream_events(engine_mesh)
     chunks = list(api.chat.completions.create(model=engine_mesh.model_name, messages=PARIS,
                                               temperature=0, max_tokens=32, stream=True,
                                               stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    # After the first event, the text went straight from the postprocessor's frames to the
+    # connection (tests/http/test_http_fake_mesh.py has the count in detail).
+    assert stream_events(engine_mesh)["direct"] > before["direct"]
     assert chunks[-2].choices[0].finish_reason == unary.choices[0].finish_reason
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens

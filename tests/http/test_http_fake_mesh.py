@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,15 @@ from llmesh.meshconfig import GatewayConfig, MeshConfig, WorkerConfig
 from llmesh.procs import free_port
 from llmesh.up import Mesh
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
-from tests.http.conftest import DEMO_KEY, LIMITED_KEY, LIMITED_RPM, client, http_base, running_mesh
+from tests.http.conftest import (
+    DEMO_KEY,
+    LIMITED_KEY,
+    LIMITED_RPM,
+    client,
+    http_base,
+    running_mesh,
+    stream_events,
+)
 
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
 
@@ -80,6 +89,44 @@ def test_chat_stream_equals_non_streamed_under_greedy(http_fake_mesh: Mesh) -> N
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert all(c.usage is None for c in chunks), "no usage chunk unless include_usage"
+
+
+def test_streamed_text_goes_straight_to_the_connection(http_fake_mesh: Mesh) -> None:
+    """After the first event (written by the handler, with the headers), the text events
+    of a client that keeps up are written by the code that released them."""
+    api = client(http_fake_mesh)
+    before = stream_events(http_fake_mesh)
+    chunks = list(api.completions.create(model="", prompt="Once upon a time", max_tokens=40,
+                                         temperature=0, stream=True))
+    after = stream_events(http_fake_mesh)
+    texts = [c.choices[0].text for c in chunks if c.choices[0].text]
+    direct, awaited = (after[k] - before[k] for k in ("direct", "awaited"))
+    assert direct + awaited == len(texts)  # every event counted once, one way or the other
+    assert awaited >= 1 and direct >= len(texts) // 2, (direct, awaited)
+
+
+def test_a_stream_to_an_http_1_0_client_is_not_chunked(http_fake_mesh: Mesh) -> None:
+    """HTTP/1.0 has no chunked encoding: the events go as they are, and the connection's
+    end ends the response; the direct writer frames them the same way."""
+    gateway = http_fake_mesh.config.gateway
+    body = json.dumps({"model": "", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                       "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.0\r\nHost: {gateway.host}\r\nAuthorization: Bearer {DEMO_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((gateway.host, gateway.http_port), timeout=30) as sock:
+        sock.sendall(head + body)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    status, _, payload = raw.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.0 200") and b"chunked" not in status.lower()
+    events = [e for e in payload.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events[:3]
+    assert events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    unary = client(http_fake_mesh).completions.create(model="", prompt="Once upon a time", max_tokens=24,
+                                                      temperature=0)
+    assert text == unary.choices[0].text
 
 
 def test_completions_streamed_and_not(http_fake_mesh: Mesh) -> None:
