@@ -57,7 +57,9 @@ class ServerHandle:
     ``readiness_changed`` is set and every ``readiness_interval_s``; None: ready once
     warmed up. Names it stops returning turn NOT_SERVING."""
     readiness_changed: asyncio.Event = field(default_factory=asyncio.Event)
-    readiness_interval_s: float = 0.5
+    readiness_interval_s: float = 2.0
+    """A safety net only: whatever changes readiness sets ``readiness_changed`` (a
+    shorter interval was a wakeup of an idle process twice a second)."""
     readiness_due: Callable[[], float | None] | None = None
     """Seconds until readiness may change with time alone (None: not before
     ``readiness_changed`` is set); a sooner re-read than ``readiness_interval_s``."""
