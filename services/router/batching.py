@@ -28,6 +28,7 @@ from opentelemetry import propagate
 from services.common.generation import Delta, Final, TokenRequest
 from services.common.logs import request_id_var
 from services.common.retry import SESSION_RETRY_S
+from services.router.registry import Load
 from services.router.workerapi import (
     SessionSubmit,
     StreamEvent,
@@ -187,6 +188,9 @@ class BatchDispatcher:
         self.heard_at = float("-inf")
         """Loop time of the latest output from the worker (the health watchdog counts it
         as a sign of life beside the load reports)."""
+        self.load_watch: tuple[str, Callable[[Load], None]] | None = None
+        """The health monitor's load watch (its name, and where the load on frames goes):
+        named in every session, whose frames then stand for its reports."""
 
     @property
     def live(self) -> int:
@@ -333,7 +337,8 @@ class BatchDispatcher:
         """One message with every submission of the window; frames come back per step."""
         if self._link is None:
             # Quiet while idle: no request on the link waits for output.
-            self._link = self.client.open_session(awaiting=self._awaiting)
+            watcher, on_load = self.load_watch or ("", None)
+            self._link = self.client.open_session(awaiting=self._awaiting, watcher=watcher, on_load=on_load)
             self._reader = asyncio.ensure_future(self._read_session(self._link))
         submits = []
         for stream, request, deadline in batch:

@@ -212,6 +212,7 @@ class Router:
             failures_to_eject=self.settings.load_failures_to_eject,
             heard_at=lambda: dispatcher.heard_at,
         )
+        dispatcher.load_watch = (monitor.watcher, monitor.frame_load)
         self._monitors[address] = monitor
         monitor.start()
         log.info("worker %s added (zone=%s, source=%s)", address, zone or "?", source)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 
-from services.router.registry import NOT_SERVING, SERVING, UNKNOWN, WorkerInfo, WorkerState
+from services.router.registry import NOT_SERVING, SERVING, UNKNOWN, Load, WorkerInfo, WorkerState
 from services.router.workerapi import WorkerCallError, WorkerClient
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,38 @@ class WorkerMonitor:
         self._heard_at = heard_at
         """Loop time of the worker's latest output on the data plane: a worker whose
         frames keep arriving is answering, whatever became of its load reports."""
+        self.watcher = uuid.uuid4().hex
+        """Names the load watch to the worker; the sessions give the same name, and the
+        load their frames carry stands for the watch's reports (:meth:`frame_load`)."""
+        self._reviving: asyncio.Task[None] | None = None
 
     def _last_sign(self) -> float:
         """Loop time of the latest sign of life: a load report or a data frame."""
         if self._heard_at is None:
             return self._last_report
         return max(self._last_report, self._heard_at())
+
+    def frame_load(self, load: Load) -> None:
+        """The worker's load on a session frame: a report, as if the watch had sent it (the
+        worker sends the watch none while its frames carry the load). A worker out of
+        routing comes back as after a report: once its model info is read again."""
+        state = self.state
+        self._last_report = asyncio.get_running_loop().time()
+        changed = load != state.load or state.load_failures > 0
+        state.load = load
+        state.load_failures = 0
+        state.silent_since = None
+        if not state.reachable and (self._reviving is None or self._reviving.done()):
+            self._reviving = asyncio.ensure_future(self._revive())
+        if changed:
+            self._on_change(state)
+
+    async def _revive(self) -> None:
+        state = self.state
+        if not state.reachable and await self._refresh_info() and not state.reachable:
+            state.reachable = True
+            log.info("worker %s at %s reachable", state.worker_id, state.address)
+            self._on_change(state)
 
     def start(self) -> None:
         self._tasks = [
@@ -62,6 +89,9 @@ class WorkerMonitor:
         ]
 
     async def stop(self) -> None:
+        if self._reviving is not None:
+            self._tasks.append(self._reviving)
+            self._reviving = None
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -102,7 +132,7 @@ class WorkerMonitor:
         while True:
             try:
                 connected = True
-                async for load in self.client.watch_load(self.interval_s):
+                async for load in self.client.watch_load(self.interval_s, watcher=self.watcher):
                     self._last_report = asyncio.get_running_loop().time()
                     changed = load != state.load or state.load_failures > 0
                     state.load = load

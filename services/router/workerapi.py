@@ -94,10 +94,13 @@ class WorkerClient(Protocol):
         """Stream (request_id, delta-or-final) of several requests in one call."""
         ...
 
-    def open_session(self, awaiting: Callable[[], bool] | None = None) -> WorkerSessionLink:
+    def open_session(self, awaiting: Callable[[], bool] | None = None, *, watcher: str = "",
+                     on_load: Callable[[Load], None] | None = None) -> WorkerSessionLink:
         """Start a session (the router's ``worker_transport: session``). ``awaiting``
         says whether any request on it still waits for output: while it says no, the
-        session neither pings nor minds the worker's silence (services/common/sessionwire.py)."""
+        session neither pings nor minds the worker's silence (services/common/sessionwire.py).
+        ``watcher`` names this router's load watch (see :meth:`watch_load`): the worker's
+        frames then carry its load now and then, handed to ``on_load``."""
         ...
 
     async def has_session(self, timeout: float) -> bool:
@@ -107,9 +110,11 @@ class WorkerClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def watch_load(self, interval_s: float) -> AsyncIterator[Load]:
+    def watch_load(self, interval_s: float, *, watcher: str = "") -> AsyncIterator[Load]:
         """The worker's load every ``interval_s`` (WatchLoad); raises WorkerCallError
-        when the stream breaks."""
+        when the stream breaks. A named watch (``watcher``) gets a report only when no
+        frame of a session opened with the same name carried the load for ``interval_s``
+        (services/worker/loadclock.py)."""
         ...
 
     async def get_model_info(self, timeout: float) -> WorkerInfo: ...

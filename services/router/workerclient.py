@@ -141,9 +141,13 @@ class GrpcSessionLink:
     services/common/sessionwire.py): submissions and aborts go out through a queue (one
     writer), frames come back in column layout and are split into per-request events."""
 
-    def __init__(self, opener: SessionOpener, awaiting: Callable[[], bool] | None = None) -> None:
+    def __init__(self, opener: SessionOpener, awaiting: Callable[[], bool] | None = None, *,
+                 watcher: str = "", on_load: Callable[[Load], None] | None = None) -> None:
         self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
         self._call = _session_call(opener, self._requests(), awaiting)
+        self._watcher = watcher
+        """Sent with the first message only."""
+        self._on_load = on_load
 
     async def _requests(self) -> AsyncIterator[worker_pb2.SessionRequest]:
         while (message := await self._outbox.get()) is not None:
@@ -155,11 +159,15 @@ class GrpcSessionLink:
                                              timeout_s=s.timeout_s or 0.0, traceparent=s.traceparent)
                     for s in submits],
             abort=list(aborts),
+            watcher=self._watcher,
         ))
+        self._watcher = ""
 
     async def events(self) -> AsyncIterator[tuple[int, WorkerEvent]]:
         try:
             async for frame in self._call:
+                if self._on_load is not None and frame.HasField("load"):
+                    self._on_load(load_from_proto(frame.load))
                 for event in frame_events(frame):
                     yield event
         except grpc.aio.AioRpcError as err:
@@ -239,8 +247,9 @@ class GrpcWorkerClient:
             self._sessions = SessionOpener(self.session_channel, self.address, tls=self._tls)
         return self._sessions
 
-    def open_session(self, awaiting: Callable[[], bool] | None = None) -> GrpcSessionLink:
-        return GrpcSessionLink(self._opener(), awaiting)
+    def open_session(self, awaiting: Callable[[], bool] | None = None, *, watcher: str = "",
+                     on_load: Callable[[Load], None] | None = None) -> GrpcSessionLink:
+        return GrpcSessionLink(self._opener(), awaiting, watcher=watcher, on_load=on_load)
 
     async def has_session(self, timeout: float) -> bool:
         """Whether the worker serves Session: one call that sends nothing and ends its
@@ -271,12 +280,12 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 
-    async def watch_load(self, interval_s: float) -> AsyncIterator[Load]:
+    async def watch_load(self, interval_s: float, *, watcher: str = "") -> AsyncIterator[Load]:
         # Over the worker's framed listener when it has one (a connection of its own, not
         # the Session's: busy frames must not delay the reports that decide reachability),
         # where a report costs both processes a fraction of a grpc.aio message; the reports
         # come every interval even on an idle mesh.
-        request = worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000)))
+        request = worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000)), watcher=watcher)
         call = self._opener().open(
             WATCH_LOAD_METHOD, lambda _messages: self.control_stub.WatchLoad(request),
             _one(request), worker_pb2.WatchLoadResponse)

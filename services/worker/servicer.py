@@ -14,6 +14,7 @@ from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.worker import convert
 from services.worker.core import Failed, Final, WorkerCore
 from services.worker.engine import EngineRequest
+from services.worker.loadclock import LoadClocks
 from services.worker.session import WorkerSession, annotate_final
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -24,6 +25,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(self, core: WorkerCore | None = None) -> None:
         self.maybe_core = core
+        self.load_clocks = LoadClocks()
+        """The open load watches that named their router (see services/worker/loadclock.py)."""
 
     def attach(self, core: WorkerCore) -> None:
         """Set the core once the engine is built (the server answers health before that)."""
@@ -73,16 +76,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except NotFound as exc:
                 return exc
 
+        watcher = ""
+        """The caller's load watch, named in its first message: frames carry the load."""
+
         def receive(message: worker_pb2.SessionRequest) -> None:
+            nonlocal watcher
+            if message.watcher:
+                watcher = message.watcher
             for sub in message.submit:
                 session.submit(convert.submission_from_proto(sub, adapter(sub)))
             for handle in message.abort:
                 session.abort(handle)
 
+        loop = asyncio.get_running_loop()
         # Leaving (the caller went away) aborts what still runs.
         async with session.reading(request_iterator, receive):
             async for frame in session.frames():
-                yield convert.frame_to_proto(frame)
+                message = convert.frame_to_proto(frame)
+                clock = self.load_clocks.get(watcher)
+                if clock is not None and clock.frame_due(now := loop.time()):
+                    message.load.CopyFrom(convert.load_to_proto(core.load()))
+                    clock.sent(now)
+                yield message
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -123,9 +138,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         interval = (request.interval_ms or 100) / 1000.0
         if interval < 0.01:
             raise InvalidArgument("interval_ms", "must be 0 (100 ms) or at least 10")
-        while True:
-            yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(self.core.load()))
-            await asyncio.sleep(interval)
+        if not request.watcher:
+            while True:
+                yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(self.core.load()))
+                await asyncio.sleep(interval)
+        # A named watch: a report only when no frame of the caller's sessions carried the
+        # load for an interval.
+        loop = asyncio.get_running_loop()
+        clock = self.load_clocks.open(request.watcher, interval)
+        try:
+            while True:
+                await clock.wait_report()
+                clock.sent(loop.time())
+                yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(self.core.load()))
+        finally:
+            self.load_clocks.close(request.watcher, clock)
 
     async def GetModelInfo(
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

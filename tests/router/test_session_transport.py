@@ -132,6 +132,35 @@ async def test_load_reports_travel_over_the_workers_framed_listener(tiny_deepsee
         await grpc_only.close()
 
 
+async def test_a_busy_workers_load_comes_on_its_frames(two_workers: list[RunningWorker]) -> None:
+    """The router names its load watch in its sessions: while a request streams, the
+    worker's frames carry the load and the router takes it as a report (the worker's
+    side, tests/worker/test_load_on_frames.py, shows the watch going quiet meanwhile)."""
+    worker = two_workers[0]
+    rut = await start_router([(address(worker), "zone-a")], worker_transport="session",
+                             load_interval_ms=100, load_timeout_ms=400)
+    try:
+        [monitor] = rut.router._monitors.values()
+        dispatcher = rut.router._dispatchers[address(worker)]
+        assert dispatcher.load_watch is not None and dispatcher.load_watch[0] == monitor.watcher
+        # The worker knows the watch by the router's name for it.
+        await wait_for(lambda: worker.server.servicer.load_clocks.get(monitor.watcher) is not None)
+        taken: list[int] = []
+
+        def frame_load(load):  # type: ignore[no-untyped-def]
+            taken.append(load.running)
+            monitor.frame_load(load)
+
+        dispatcher.load_watch = (monitor.watcher, frame_load)  # before the session opens
+        [state] = list(rut.router.registry)
+        tokens, final = await rut.generate([5, 6], 200, ignore_eos=True)  # about 1 s at 5 ms a step
+        assert final.final.completion_tokens == 200 and len(tokens) == 200
+        assert len(taken) >= 5 and max(taken) >= 1, taken
+        assert state.reachable and state.load_failures == 0
+    finally:
+        await rut.close()
+
+
 async def test_a_framed_load_watch_names_what_is_wrong_with_its_request(tiny_deepseek_dir: Path) -> None:
     worker = await start_running_worker(tiny_deepseek_dir, canary_interval_s=5.0, canary_timeout_s=5.0)
     client = GrpcWorkerClient(address(worker))

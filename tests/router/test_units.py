@@ -173,7 +173,7 @@ class _SessionClient:
     def __init__(self) -> None:
         self.link = _RecordingLink()
 
-    def open_session(self, awaiting=None) -> _RecordingLink:  # type: ignore[no-untyped-def]
+    def open_session(self, awaiting=None, *, watcher="", on_load=None) -> _RecordingLink:  # type: ignore[no-untyped-def]
         self.awaiting = awaiting
         return self.link
 
@@ -365,7 +365,7 @@ class _SilentAfterOneReport:
     def __init__(self) -> None:
         self.reported_at = 0.0
 
-    async def watch_load(self, interval_s: float):  # type: ignore[no-untyped-def]
+    async def watch_load(self, interval_s: float, *, watcher: str = ""):  # type: ignore[no-untyped-def]
         self.reported_at = asyncio.get_running_loop().time()
         yield Load(running=1)
         await asyncio.Event().wait()
@@ -431,12 +431,41 @@ async def test_frames_on_the_data_plane_keep_a_worker_with_late_load_reports_rou
         await monitor.stop()
 
 
+async def test_load_on_a_frame_is_a_report_and_brings_an_unreachable_worker_back() -> None:
+    """The worker's load on a session frame (it sends the named watch no report while its
+    frames carry the load) does what a report does: fresh load, no missed polls, and a
+    worker that had left routing back in it once its model info is read again."""
+    state = WorkerState("127.0.0.1:1", CircuitBreaker())
+    client = _SilentAfterOneReport()
+    loop = asyncio.get_running_loop()
+    monitor = WorkerMonitor(state, client,  # type: ignore[arg-type]
+                            check_info=lambda s, i: None, on_change=lambda s: None,
+                            interval_s=0.02, timeout_s=0.2)
+    assert len(monitor.watcher) == 32  # a name of its own, given to the watch and the sessions
+    monitor.start()
+    try:
+        await wait_for(lambda: state.reachable, timeout=2.0, interval=0.01)
+        # Frames every 20 ms carry the load, the watch sends nothing: no miss counted.
+        for n in range(20):
+            monitor.frame_load(Load(running=n))
+            await asyncio.sleep(0.02)
+        assert state.load_failures == 0 and state.reachable and state.load.running == 19
+        await asyncio.sleep(0.3)  # frames and reports both stop: the silence counts
+        assert state.load_failures >= 1 and not state.reachable
+        monitor.frame_load(Load(running=7))  # frames again
+        assert state.load_failures == 0 and state.load.running == 7
+        await wait_for(lambda: state.reachable, timeout=2.0, interval=0.01)
+        assert loop.time() - monitor._last_sign() < 0.2
+    finally:
+        await monitor.stop()
+
+
 class _BrokenWatch(_SilentAfterOneReport):
     """A worker whose WatchLoad stream breaks after one report (the process is gone)."""
 
     connects = 0
 
-    async def watch_load(self, interval_s: float):  # type: ignore[no-untyped-def]
+    async def watch_load(self, interval_s: float, *, watcher: str = ""):  # type: ignore[no-untyped-def]
         self.connects += 1
         if self.connects == 1:
             yield Load(running=1)

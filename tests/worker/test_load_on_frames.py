@@ -1,0 +1,99 @@
+"""A busy worker's load travels on its session frames: a named load watch gets a report
+only when no frame of the same router's sessions carried the load for an interval."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from llmesh.worker.v1 import worker_pb2
+from services.worker.loadclock import LoadClock
+
+from .conftest import RunningWorker, start_running_worker, token_request
+
+
+@pytest.fixture
+async def stepped_worker(tiny_deepseek_dir: Path):  # type: ignore[no-untyped-def]
+    worker = await start_running_worker(tiny_deepseek_dir, fake_token_delay_ms=5, fake_max_running=64,
+                                        canary_interval_s=5.0, canary_timeout_s=5.0)
+    yield worker
+    await worker.close()
+
+
+async def test_the_clock_reports_at_once_then_only_after_an_interval_without_load() -> None:
+    loop = asyncio.get_running_loop()
+    clock = LoadClock(0.1)
+    await asyncio.wait_for(clock.wait_report(), 1)  # a new watch reports at once
+    start = loop.time()
+    clock.sent(start)
+    assert not clock.frame_due(start + 0.04) and clock.frame_due(start + 0.051)
+    await asyncio.sleep(0.06)
+    clock.sent(loop.time())  # a frame carried the load: the report moves back
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(clock.wait_report(), 0.08)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert loop.time() - start >= 0.16
+    clock.close()
+
+
+async def _reports(call: object, at: list[float], first: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    async for _ in call:  # type: ignore[attr-defined]
+        at.append(loop.time())
+        first.set()
+
+
+async def test_frames_carry_the_load_while_they_flow_and_the_watch_reports_again_after(
+    stepped_worker: RunningWorker,
+) -> None:
+    loop = asyncio.get_running_loop()
+    stub = stepped_worker.stub
+    reports: list[float] = []
+    watch = stub.WatchLoad(worker_pb2.WatchLoadRequest(interval_ms=100, watcher="router-a"))
+    reported = asyncio.Event()
+    reader = asyncio.ensure_future(_reports(watch, reports, reported))
+    try:
+        await asyncio.wait_for(reported.wait(), 10)
+        # 120 tokens at 5 ms a step: about 0.6 s of frames.
+        first = worker_pb2.SessionRequest(
+            watcher="router-a",
+            submit=[worker_pb2.SessionSubmit(handle=1, request=token_request(
+                "lf-1", [5, 6], max_tokens=120, ignore_eos=True))])
+        loaded: list[worker_pb2.Load] = []
+        frames_at: list[float] = []
+        async for frame in stub.Session(iter([first]), timeout=30):
+            frames_at.append(loop.time())
+            if frame.HasField("load"):
+                loaded.append(frame.load)
+        streaming = [t for t in reports if frames_at[0] + 0.1 < t < frames_at[-1]]
+        # Every half interval or so a frame carried the load; the watch stayed quiet.
+        span = frames_at[-1] - frames_at[0]
+        assert len(loaded) >= span / 0.1, (len(loaded), span)
+        assert any(load.running >= 1 and load.in_flight >= 1 for load in loaded)
+        assert len(streaming) <= 1, streaming
+        # The frames stopped: the watch reports every interval again.
+        ended = loop.time()
+        await asyncio.sleep(0.45)
+        assert len([t for t in reports if t > ended]) >= 3
+    finally:
+        reader.cancel()
+        watch.cancel()
+
+
+async def test_frames_of_another_router_or_an_unnamed_session_carry_no_load(
+    stepped_worker: RunningWorker,
+) -> None:
+    stub = stepped_worker.stub
+    watch = stub.WatchLoad(worker_pb2.WatchLoadRequest(interval_ms=100, watcher="router-a"))
+    await watch.read()
+    try:
+        for name in ("router-b", ""):
+            request = token_request(f"lf-{name or 'none'}", [5, 6], max_tokens=30, ignore_eos=True)
+            first = worker_pb2.SessionRequest(
+                watcher=name, submit=[worker_pb2.SessionSubmit(handle=1, request=request)])
+            frames = [frame async for frame in stub.Session(iter([first]), timeout=30)]
+            assert frames and not any(frame.HasField("load") for frame in frames), name
+    finally:
+        watch.cancel()
