@@ -63,16 +63,21 @@ class WorkerMonitor:
         """The worker's load on a session frame: a report, as if the watch had sent it (the
         worker sends the watch none while its frames carry the load). A worker out of
         routing comes back as after a report: once its model info is read again."""
+        changed = self._take_report(load)
+        if not self.state.reachable and (self._reviving is None or self._reviving.done()):
+            self._reviving = asyncio.ensure_future(self._revive())
+        if changed:
+            self._on_change(self.state)
+
+    def _take_report(self, load: Load) -> bool:
+        """A load report (from the watch or a frame); whether it changed the worker's state."""
         state = self.state
         self._last_report = asyncio.get_running_loop().time()
         changed = load != state.load or state.load_failures > 0
         state.load = load
         state.load_failures = 0
         state.silent_since = None
-        if not state.reachable and (self._reviving is None or self._reviving.done()):
-            self._reviving = asyncio.ensure_future(self._revive())
-        if changed:
-            self._on_change(state)
+        return changed
 
     async def _revive(self) -> None:
         state = self.state
@@ -133,11 +138,7 @@ class WorkerMonitor:
             try:
                 connected = True
                 async for load in self.client.watch_load(self.interval_s, watcher=self.watcher):
-                    self._last_report = asyncio.get_running_loop().time()
-                    changed = load != state.load or state.load_failures > 0
-                    state.load = load
-                    state.load_failures = 0
-                    state.silent_since = None
+                    changed = self._take_report(load)
                     # A new stream, or reports again after a silence: the process may have
                     # been replaced, so re-read its model info (pid, checksum) before
                     # taking traffic again.
