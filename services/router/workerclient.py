@@ -283,8 +283,8 @@ class GrpcWorkerClient:
     async def watch_load(self, interval_s: float, *, watcher: str = "") -> AsyncIterator[Load]:
         # Over the worker's framed listener when it has one (a connection of its own, not
         # the Session's: busy frames must not delay the reports that decide reachability),
-        # where a report costs both processes a fraction of a grpc.aio message; the reports
-        # come every interval even on an idle mesh.
+        # where a report costs both processes a fraction of a grpc.aio message. Named, the
+        # watch is quiet while this router's session frames carry the load.
         request = worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000)), watcher=watcher)
         call = self._opener().open(
             WATCH_LOAD_METHOD, lambda _messages: self.control_stub.WatchLoad(request),

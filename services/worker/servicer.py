@@ -14,7 +14,7 @@ from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.worker import convert
 from services.worker.core import Failed, Final, WorkerCore
 from services.worker.engine import EngineRequest
-from services.worker.loadclock import LoadClocks
+from services.worker.loadclock import LoadClock, LoadClocks
 from services.worker.session import WorkerSession, annotate_final
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -138,21 +138,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         interval = (request.interval_ms or 100) / 1000.0
         if interval < 0.01:
             raise InvalidArgument("interval_ms", "must be 0 (100 ms) or at least 10")
-        if not request.watcher:
-            while True:
-                yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(self.core.load()))
-                await asyncio.sleep(interval)
-        # A named watch: a report only when no frame of the caller's sessions carried the
-        # load for an interval.
+        # A named watch's clock is pushed back by the frames of the caller's sessions that
+        # carry the load (a report only when none did for an interval); an unnamed one's
+        # by nothing: a report every interval.
+        watcher = request.watcher
+        clock = self.load_clocks.open(watcher, interval) if watcher else LoadClock(interval)
         loop = asyncio.get_running_loop()
-        clock = self.load_clocks.open(request.watcher, interval)
         try:
             while True:
                 await clock.wait_report()
                 clock.sent(loop.time())
                 yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(self.core.load()))
         finally:
-            self.load_clocks.close(request.watcher, clock)
+            self.load_clocks.close(watcher, clock)  # an unnamed one was never registered
 
     async def GetModelInfo(
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -144,3 +144,12 @@ async def fake_worker(tiny_deepseek_dir: Path) -> AsyncIterator[RunningWorker]:
     worker = await start_running_worker(tiny_deepseek_dir, canary_interval_s=5.0, canary_timeout_s=5.0)
     yield worker
     await worker.close()
+
+
+@pytest.fixture
+async def stepped_worker(tiny_deepseek_dir: Path) -> AsyncIterator[RunningWorker]:
+    """A fake-engine worker of its own per test, 5 ms per engine step, room for 64 requests."""
+    worker = await start_running_worker(tiny_deepseek_dir, fake_token_delay_ms=5, fake_max_running=64,
+                                        canary_interval_s=5.0, canary_timeout_s=5.0)
+    yield worker
+    await worker.close()

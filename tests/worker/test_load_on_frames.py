@@ -4,22 +4,13 @@ only when no frame of the same router's sessions carried the load for an interva
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from llmesh.worker.v1 import worker_pb2
 from services.worker.loadclock import LoadClock
 
-from .conftest import RunningWorker, start_running_worker, token_request
-
-
-@pytest.fixture
-async def stepped_worker(tiny_deepseek_dir: Path):  # type: ignore[no-untyped-def]
-    worker = await start_running_worker(tiny_deepseek_dir, fake_token_delay_ms=5, fake_max_running=64,
-                                        canary_interval_s=5.0, canary_timeout_s=5.0)
-    yield worker
-    await worker.close()
+from .conftest import RunningWorker, token_request
 
 
 async def test_the_clock_reports_at_once_then_only_after_an_interval_without_load() -> None:

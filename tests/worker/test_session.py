@@ -32,20 +32,13 @@ from services.worker.fake_engine import FakeEngine, FakeModel, fake_greedy
 from services.worker.metrics import REJECTED
 from services.worker.session import Frame, Submission, WorkerSession
 
-from .conftest import Bridged, RunningWorker, start_running_worker, token_request
+from .conftest import Bridged, RunningWorker, token_request
 
 
 @pytest.fixture(scope="module")
 def model(tiny_deepseek_dir: Path) -> FakeModel:
     return FakeModel.from_dir(tiny_deepseek_dir)
 
-
-@pytest.fixture
-async def stepped_worker(tiny_deepseek_dir: Path):  # type: ignore[no-untyped-def]
-    worker = await start_running_worker(tiny_deepseek_dir, fake_token_delay_ms=5, fake_max_running=64,
-                                        canary_interval_s=5.0, canary_timeout_s=5.0)
-    yield worker
-    await worker.close()
 
 
 def submit(handle: int, prompt: list[int], **sampling: object) -> worker_pb2.SessionSubmit:
