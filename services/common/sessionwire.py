@@ -29,7 +29,8 @@ and the handler cancelled when the caller goes away (connection closed without `
 A caller that hears nothing for :data:`PING_IDLE_S` pings, and gives the connection up as
 broken (``UNAVAILABLE``) after :data:`DEAD_AFTER_S` of silence: a stopped or cut-off
 peer shows within seconds, as gRPC's keepalive shows it. A caller that tells the call
-when it awaits no answer (:class:`FramedCall`'s ``awaiting``) stays quiet meanwhile.
+when it awaits no answer (:class:`FramedCall`'s ``awaiting``), or that what the call
+would hear reaches it another way for now (``elsewhere``), stays quiet meanwhile.
 
 Callers find the listener by asking the peer's gRPC port
 (``llmesh.common.v1.SessionTransportService/GetSessionEndpoint``, :class:`SessionOpener`);
@@ -451,11 +452,14 @@ class SessionOpener:
 
     def open(self, method: str, grpc_call: Callable[[AsyncIterator[Any]], Any],
              messages: AsyncIterator[Any], response_type: type[Message], *,
-             awaiting: Callable[[], bool] | None = None) -> FramedCall:
+             awaiting: Callable[[], bool] | None = None,
+             elsewhere: Callable[[], bool] | None = None) -> FramedCall:
         """A Session call that sends ``messages``: over the listener, or ``grpc_call(messages)``.
-        With ``awaiting``, the caller pings only while it says an answer is awaited (see
+        With ``awaiting``, the caller pings only while it says an answer is awaited; with
+        ``elsewhere``, only while it says the answers do not reach it another way (see
         :class:`FramedCall`)."""
-        return FramedCall(self, method, grpc_call, messages, response_type, awaiting=awaiting)
+        return FramedCall(self, method, grpc_call, messages, response_type, awaiting=awaiting,
+                          elsewhere=elsewhere)
 
     async def port(self) -> int:
         """The peer's listener port (0: call it over gRPC)."""
@@ -515,11 +519,19 @@ class FramedCall:
     timer stops, so an idle session costs neither side a wake-up. The next message sent
     starts the clock again: a peer that then stays silent for :data:`DEAD_AFTER_S` is
     given up as before. Without it the call pings whenever it has heard nothing for
-    :data:`PING_IDLE_S`, whatever it is waiting for."""
+    :data:`PING_IDLE_S`, whatever it is waiting for.
+
+    ``elsewhere`` (the caller's "does what this call would tell me reach me another way
+    now?") is for a call whose answers stop by design while another connection carries
+    them: the router's named load watch of a worker whose session frames carry its load.
+    While it says yes the call neither pings nor counts the peer's silence, and looks
+    again every :data:`DEAD_AFTER_S` (nothing is sent on such a call to restart the
+    clock); once it says no, the silence counts from then."""
 
     def __init__(self, opener: SessionOpener, method: str, grpc_call: Callable[[AsyncIterator[Any]], Any],
                  messages: AsyncIterator[Any], response_type: type[Message], *,
-                 awaiting: Callable[[], bool] | None = None) -> None:
+                 awaiting: Callable[[], bool] | None = None,
+                 elsewhere: Callable[[], bool] | None = None) -> None:
         self._opener = opener
         self._method = method
         self._grpc_call = grpc_call
@@ -534,6 +546,9 @@ class FramedCall:
         self._last_heard = 0.0
         self._broken: str | None = None
         self._awaiting = awaiting
+        self._elsewhere = elsewhere
+        self._heard_elsewhere = False
+        """Whether the latest tick found the answers arriving another way."""
         self._opening = asyncio.ensure_future(self._open())
 
     @property
@@ -604,6 +619,15 @@ class FramedCall:
             self._keepalive = None  # idle: quiet until the next message goes out
             return
         loop = asyncio.get_running_loop()
+        if self._elsewhere is not None:
+            if self._elsewhere():
+                self._heard_elsewhere = True
+                self._keepalive = loop.call_later(DEAD_AFTER_S, self._tick)
+                return
+            if self._heard_elsewhere:
+                # This call is the one to hear from again: its silence counts from now.
+                self._heard_elsewhere = False
+                self._last_heard = loop.time()
         silent = loop.time() - self._last_heard
         if silent >= DEAD_AFTER_S:
             self._broken = f"Socket closed: no answer from the session listener for {silent:.1f} s"

@@ -110,6 +110,9 @@ class PostprocessMux:
         self.core = core
         self._requests: dict[int, _Request] = {}
         self._finished: dict[int, None] = {}  # insertion-ordered set, oldest first
+        self._fed: dict[Counter, int] = {}
+        """Tokens fed during the message being applied, per model's counter: counted once
+        per message, not once per request (the counter takes a lock per increment)."""
         self.frames = 0
 
     @property
@@ -128,18 +131,24 @@ class PostprocessMux:
         for opening in message.opens:
             self._open(frame, opening)
         budget = SLICE_TOKENS
-        for handle, ids in message.tokens:
-            offset = 0
-            while True:
-                take = min(budget, len(ids) - offset)
-                self._feed(frame, handle, ids[offset:offset + take])
-                offset += take
-                budget -= take
-                if budget <= 0:
-                    await asyncio.sleep(0)
-                    budget = SLICE_TOKENS
-                if offset >= len(ids) or handle not in self._requests:
-                    break
+        fed = self._fed
+        try:
+            for handle, ids in message.tokens:
+                offset = 0
+                while True:
+                    take = min(budget, len(ids) - offset)
+                    self._feed(frame, handle, ids[offset:offset + take])
+                    offset += take
+                    budget -= take
+                    if budget <= 0:
+                        await asyncio.sleep(0)
+                        budget = SLICE_TOKENS
+                    if offset >= len(ids) or handle not in self._requests:
+                        break
+        finally:
+            for counter, count in fed.items():
+                counter.inc(count)
+            fed.clear()
         for handle, reason in message.ends:
             self._end(frame, handle, reason)
         for handle in message.closes:
@@ -185,7 +194,8 @@ class PostprocessMux:
     def _feed(self, frame: Frame, handle: int, ids: Sequence[int]) -> None:
         def feed(request: _Request) -> Step:
             step = request.session.feed(ids)
-            request.tokens.inc(len(ids))
+            fed = self._fed
+            fed[request.tokens] = fed.get(request.tokens, 0) + len(ids)
             return step
 
         self._apply(frame, handle, "handles", feed)

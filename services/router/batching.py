@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import propagate
@@ -126,7 +126,7 @@ class AttemptStream:
             ):
                 self.done = True
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
+    async def events(self) -> AsyncGenerator[StreamEvent, None]:
         """Deltas then one final; raises WorkerCallError if the worker call failed."""
         while True:
             item = await self.queue.get()

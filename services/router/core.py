@@ -605,29 +605,32 @@ class _AttemptLoop:
         self.active.stream = stream
         finished = False
         try:
-            async for event in stream.events():
-                if isinstance(event, Delta):
-                    if event.token_ids or event.logprobs:
-                        self._delivered(event)
-                        yield event
-                    continue
-                if self.active.aborted:
+            # Closed here when it is left at the final: a generator left suspended is
+            # closed by the event loop's finalizer hook, a thread-safe wake-up per request.
+            async with contextlib.aclosing(stream.events()) as events:
+                async for event in events:
+                    if isinstance(event, Delta):
+                        if event.token_ids or event.logprobs:
+                            self._delivered(event)
+                            yield event
+                        continue
+                    if self.active.aborted:
+                        finished = self.done = True
+                        yield self._final(Final(FinishReason.ABORT), worker)
+                        return
+                    _raise_engine_failure(event)
+                    if worker.breaker.record_success():
+                        self.router._on_worker_change(worker)  # the circuit closed again
                     finished = self.done = True
-                    yield self._final(Final(FinishReason.ABORT), worker)
+                    _annotate(
+                        self.span, worker, stream, self.failovers.retries, self._resumes(),
+                        attempt.affinity, queue_ms=self.queue_ms, ttft_ms=(
+                            (self.first_token_at - self.start) * 1000.0
+                            if self.first_token_at is not None else None
+                        ),
+                    )
+                    yield self._final(event, worker)
                     return
-                _raise_engine_failure(event)
-                if worker.breaker.record_success():
-                    self.router._on_worker_change(worker)  # the circuit closed again
-                finished = self.done = True
-                _annotate(
-                    self.span, worker, stream, self.failovers.retries, self._resumes(),
-                    attempt.affinity, queue_ms=self.queue_ms, ttft_ms=(
-                        (self.first_token_at - self.start) * 1000.0
-                        if self.first_token_at is not None else None
-                    ),
-                )
-                yield self._final(event, worker)
-                return
         except WorkerCallError as exc:
             if self.active.aborted:
                 self.done = True

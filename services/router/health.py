@@ -52,6 +52,8 @@ class WorkerMonitor:
         """Names the load watch to the worker; the sessions give the same name, and the
         load their frames carry stands for the watch's reports (:meth:`frame_load`)."""
         self._reviving: asyncio.Task[None] | None = None
+        self._frame_load_at = float("-inf")
+        """Loop time of the latest load a session frame carried."""
 
     def _last_sign(self) -> float:
         """Loop time of the latest sign of life: a load report or a data frame."""
@@ -64,10 +66,17 @@ class WorkerMonitor:
         worker sends the watch none while its frames carry the load). A worker out of
         routing comes back as after a report: once its model info is read again."""
         changed = self._take_report(load)
+        self._frame_load_at = self._last_report
         if not self.state.reachable and (self._reviving is None or self._reviving.done()):
             self._reviving = asyncio.ensure_future(self._revive())
         if changed:
             self._on_change(self.state)
+
+    def _frames_carry_load(self) -> bool:
+        """Whether the sessions' frames carry the worker's load now (one came within two
+        intervals): the named watch is silent by design then, and its connection is not
+        pinged (the watchdog still counts the worker's silence, frames included)."""
+        return asyncio.get_running_loop().time() - self._frame_load_at <= 2 * self.interval_s
 
     def _take_report(self, load: Load) -> bool:
         """A load report (from the watch or a frame); whether it changed the worker's state."""
@@ -137,7 +146,8 @@ class WorkerMonitor:
         while True:
             try:
                 connected = True
-                async for load in self.client.watch_load(self.interval_s, watcher=self.watcher):
+                async for load in self.client.watch_load(self.interval_s, watcher=self.watcher,
+                                                         elsewhere=self._frames_carry_load):
                     changed = self._take_report(load)
                     # A new stream, or reports again after a silence: the process may have
                     # been replaced, so re-read its model info (pid, checksum) before

@@ -280,15 +280,17 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 
-    async def watch_load(self, interval_s: float, *, watcher: str = "") -> AsyncIterator[Load]:
+    async def watch_load(self, interval_s: float, *, watcher: str = "",
+                         elsewhere: Callable[[], bool] | None = None) -> AsyncIterator[Load]:
         # Over the worker's framed listener when it has one (a connection of its own, not
         # the Session's: busy frames must not delay the reports that decide reachability),
         # where a report costs both processes a fraction of a grpc.aio message. Named, the
-        # watch is quiet while this router's session frames carry the load.
+        # watch is quiet while this router's session frames carry the load, and so is its
+        # keepalive while ``elsewhere`` says so (no ping, no pong: no wake-up on either side).
         request = worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000)), watcher=watcher)
         call = self._opener().open(
             WATCH_LOAD_METHOD, lambda _messages: self.control_stub.WatchLoad(request),
-            _one(request), worker_pb2.WatchLoadResponse)
+            _one(request), worker_pb2.WatchLoadResponse, elsewhere=elsewhere)
         try:
             async for reply in call:
                 yield load_from_proto(reply.load)

@@ -260,6 +260,41 @@ async def test_a_call_with_nothing_awaited_is_quiet_until_it_sends(monkeypatch: 
     mute_server.close()
 
 
+async def test_a_call_heard_elsewhere_is_quiet_and_counts_silence_from_when_it_is_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``elsewhere`` saying the answers reach the caller another way (the router's
+    named load watch while session frames carry the load), the call neither pings nor
+    gives up a silent peer; once it says no, the peer's silence counts from then: pinged,
+    then given up after DEAD_AFTER_S, not at once for the silence before."""
+    monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
+    monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)
+    received = bytearray()
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(65536):
+            received.extend(chunk)
+
+    mute_server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    heard_elsewhere = True
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        opener._port = mute_server.sockets[0].getsockname()[1]  # a peer that never answers
+        session = opener.channel.stream_stream(METHOD)
+        call = opener.open(METHOD, session, messages(submit(1), hold=asyncio.Event()),
+                           worker_pb2.SessionResponse, elsewhere=lambda: heard_elsewhere)
+        reading = asyncio.ensure_future(handles_of(call))
+        await asyncio.sleep(1.0)  # over three times DEAD_AFTER_S of silence, heard elsewhere
+        assert not reading.done()
+        assert frame(sessionwire.PING) not in bytes(received)
+        heard_elsewhere = False
+        flipped = asyncio.get_running_loop().time()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(reading, 5)
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert asyncio.get_running_loop().time() - flipped >= 0.3
+        assert frame(sessionwire.PING) in bytes(received)
+    mute_server.close()
+
+
 async def test_pings_keep_an_idle_session_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
     monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)

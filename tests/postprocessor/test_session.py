@@ -13,6 +13,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
 
 from llmesh.postprocess.v1 import postprocess_pb2 as pb
 from llmesh.postprocess.v1 import postprocess_pb2_grpc
@@ -168,6 +169,7 @@ async def test_interleaved_handles_give_what_one_process_stream_each_gives(stub,
 async def test_a_frame_of_many_handles_is_answered_by_one_frame(stub, tokenizers):
     ids = _encode(tokenizers, SMOL, "Hello there, how are you today? Fine, thanks.")
     handles = list(range(1, 9))
+    counted_before = _tokens_counted(SMOL)
     call = stub.Session(timeout=20)
     config = pb.ProcessConfig(model=SMOL, filter_mode=pb.FILTER_MODE_OFF)  # nothing held back
     opens = [pb.SessionOpen(handle=h, config=config) for h in handles]
@@ -187,6 +189,12 @@ async def test_a_frame_of_many_handles_is_answered_by_one_frame(stub, tokenizers
     # Nothing more: the call ends when the caller closes its side.
     await call.done_writing()
     assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+    # Every token detokenized is counted once (one increment per message, not per handle).
+    assert _tokens_counted(SMOL) - counted_before == len(handles) * len(ids)
+
+
+def _tokens_counted(model: str) -> float:
+    return REGISTRY.get_sample_value("llmesh_postprocessor_tokens_total", {"model": model}) or 0.0
 
 
 async def test_one_handles_bad_input_is_its_error_alone(stub, tokenizers):

@@ -6,13 +6,18 @@ abort in the engine, and a worker lost mid-stream resumes elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2
+from services.common import sessionwire
 from services.common.errors import InvalidArgument, error_from_rpc
 from services.router.breaker import Circuit
 from services.router.workerclient import WATCH_LOAD_METHOD, GrpcWorkerClient
@@ -132,10 +137,23 @@ async def test_load_reports_travel_over_the_workers_framed_listener(tiny_deepsee
         await grpc_only.close()
 
 
-async def test_a_busy_workers_load_comes_on_its_frames(two_workers: list[RunningWorker]) -> None:
+async def test_a_busy_workers_load_comes_on_its_frames(two_workers: list[RunningWorker],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The router names its load watch in its sessions: while a request streams, the
     worker's frames carry the load and the router takes it as a report (the worker's
-    side, tests/worker/test_load_on_frames.py, shows the watch going quiet meanwhile)."""
+    side, tests/worker/test_load_on_frames.py, shows the watch going quiet meanwhile).
+    The quiet watch's connection is not pinged meanwhile: a ping and its pong would wake
+    both processes for nothing the frames do not already say."""
+    monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.1)  # pings every 0.1 s of silence
+    pings = 0
+    plain_frame = sessionwire.frame
+
+    def counting_frame(kind: int, payload: bytes = b"") -> bytes:
+        nonlocal pings
+        pings += kind == sessionwire.PING
+        return plain_frame(kind, payload)
+
+    monkeypatch.setattr(sessionwire, "frame", counting_frame)
     worker = two_workers[0]
     rut = await start_router([(address(worker), "zone-a")], worker_transport="session",
                              load_interval_ms=100, load_timeout_ms=400)
@@ -157,6 +175,7 @@ async def test_a_busy_workers_load_comes_on_its_frames(two_workers: list[Running
         assert final.final.completion_tokens == 200 and len(tokens) == 200
         assert len(taken) >= 5 and max(taken) >= 1, taken
         assert state.reachable and state.load_failures == 0
+        assert pings == 0  # the session is busy and the watch is heard on its frames
     finally:
         await rut.close()
 
@@ -188,3 +207,32 @@ async def test_a_framed_load_watch_names_what_is_wrong_with_its_request(tiny_dee
     finally:
         await client.close()
         await worker.close()
+
+
+async def test_a_finished_request_leaves_no_generator_to_the_loops_finalizer(
+        two_workers: list[RunningWorker]) -> None:
+    """A request's worker stream is closed where the router leaves it at the final: one
+    left suspended would be closed by the event loop's finalizer hook, which schedules
+    the close thread-safely (a wake-up of the loop per request)."""
+    hooks = sys.get_asyncgen_hooks()
+    finalized: list[str] = []
+
+    def finalizer(agen: Any) -> None:
+        finalized.append(agen.__qualname__)
+        if hooks.finalizer is not None:
+            hooks.finalizer(agen)
+
+    rut = await start_router([(address(two_workers[0]), "zone-a")], worker_transport="session")
+    try:
+        sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
+        try:
+            for _ in range(3):
+                tokens, final = await rut.generate([5, 6], 8)
+                assert len(tokens) == 8
+                assert final.final.finish_reason == common_pb2.ENGINE_FINISH_REASON_LENGTH
+            gc.collect()
+        finally:
+            sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=hooks.finalizer)
+        assert "AttemptStream.events" not in finalized, finalized
+    finally:
+        await rut.close()

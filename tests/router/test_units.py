@@ -365,7 +365,7 @@ class _SilentAfterOneReport:
     def __init__(self) -> None:
         self.reported_at = 0.0
 
-    async def watch_load(self, interval_s: float, *, watcher: str = ""):  # type: ignore[no-untyped-def]
+    async def watch_load(self, interval_s: float, *, watcher: str = "", elsewhere=None):  # type: ignore[no-untyped-def]
         self.reported_at = asyncio.get_running_loop().time()
         yield Load(running=1)
         await asyncio.Event().wait()
@@ -465,7 +465,7 @@ class _BrokenWatch(_SilentAfterOneReport):
 
     connects = 0
 
-    async def watch_load(self, interval_s: float, *, watcher: str = ""):  # type: ignore[no-untyped-def]
+    async def watch_load(self, interval_s: float, *, watcher: str = "", elsewhere=None):  # type: ignore[no-untyped-def]
         self.connects += 1
         if self.connects == 1:
             yield Load(running=1)
