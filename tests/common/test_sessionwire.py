@@ -221,6 +221,16 @@ async def test_a_silent_peer_is_given_up(monkeypatch: pytest.MonkeyPatch) -> Non
     mute_server.close()
 
 
+async def _mute_listener(received: bytearray) -> asyncio.Server:
+    """A peer that takes whatever is sent to it (into ``received``) and never answers."""
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(65536):
+            received.extend(chunk)
+
+    return await asyncio.start_server(mute, "127.0.0.1", 0)
+
+
 async def test_a_call_with_nothing_awaited_is_quiet_until_it_sends(monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``awaiting`` saying no answer is owed, the call sends no pings and minds no
     silence (an idle gateway wakes none of its replicas); the next message starts the
@@ -228,12 +238,7 @@ async def test_a_call_with_nothing_awaited_is_quiet_until_it_sends(monkeypatch: 
     monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
     monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)
     received = bytearray()
-
-    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while chunk := await reader.read(65536):
-            received.extend(chunk)
-
-    mute_server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    mute_server = await _mute_listener(received)
     owed = False
     more = asyncio.Event()
 
@@ -269,12 +274,7 @@ async def test_a_call_heard_elsewhere_is_quiet_and_counts_silence_from_when_it_i
     monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.05)
     monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.3)
     received = bytearray()
-
-    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while chunk := await reader.read(65536):
-            received.extend(chunk)
-
-    mute_server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    mute_server = await _mute_listener(received)
     heard_elsewhere = True
     async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
         opener._port = mute_server.sockets[0].getsockname()[1]  # a peer that never answers
