@@ -1,8 +1,10 @@
-"""A TCP forwarder with an adjustable one-way delay, for kernels without ``tc netem``.
+"""A TCP forwarder with an adjustable one-way delay and a switch that partitions it.
 
 Each chunk sent towards the upstream is written ``delay_s`` after it arrived, in order
 (like ``netem delay`` on the link towards the zone: latency added one way, ordering
-kept); replies flow back undelayed.
+kept); replies flow back undelayed. :meth:`DelayProxy.sever` holds every byte in both
+directions and every new connection until :meth:`DelayProxy.mend`, as TCP across a
+partitioned network does: nothing is lost or reset, it arrives after the mend.
 It runs on its own thread and event loop so blocking test code cannot stall it.
 """
 
@@ -28,6 +30,7 @@ class DelayProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._open = asyncio.Event()  # clear while severed
 
     @property
     def address(self) -> str:
@@ -44,6 +47,7 @@ class DelayProxy:
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                await self._open.wait()
                 writer.write(data)
                 await writer.drain()
 
@@ -62,6 +66,7 @@ class DelayProxy:
                 writer.close()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        await self._open.wait()  # a connection made across a partition waits for the mend
         try:
             up_r, up_w = await asyncio.wait_for(
                 asyncio.open_connection(self.upstream_host, self.upstream_port), timeout=2.0)
@@ -77,6 +82,7 @@ class DelayProxy:
             self._conns.discard(task)
 
     async def _start(self) -> None:
+        self._open.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
 
     async def _stop(self) -> None:
@@ -89,6 +95,13 @@ class DelayProxy:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self
+
+    def sever(self) -> None:
+        """Partition the link: bytes and new connections wait until :meth:`mend`."""
+        self._loop.call_soon_threadsafe(self._open.clear)
+
+    def mend(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.set)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):

@@ -4,9 +4,13 @@
 /30 of 10.201.0.0/16 (addresses that exist only on this machine). The zone-a workers
 bind the namespace side; every other tier runs in the root namespace on 127.0.0.1.
 Cutting the zone is ``ip link set <root veth> down``; latency is ``tc netem`` on the
-root veth (traffic towards the zone). The router reaches the zone-a workers through
-:class:`DelayProxy` forwarders (no delay unless asked): where the kernel has no netem,
-their one-way delay stands in for it.
+root veth (traffic towards the zone). The router reaches the zone-a workers only through
+:class:`DelayProxy` forwarders (no delay unless asked), and every fault is applied there
+too: :meth:`NetnsMesh.cut_zone` severs them as well as taking the link down, and where
+the kernel has no netem their one-way delay stands in for it. A CI run (6 December 2026)
+saw zone-a keep serving through a link this test had taken down, which no run here
+reproduced; the forwarders' fault holds whatever the kernel does with the link, and
+:meth:`NetnsMesh.zone_reachable` says in a failure message what the kernel path did.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +29,8 @@ from llmesh.up import SERVICES
 from services.common.modelinfo import served_model_name
 from tests.chaos.delayproxy import DelayProxy
 from tests.chaos.load import TOKEN_DELAY_MS
+
+_ZONE_A_PORTS = (50_101, 50_102)  # inside the namespace, where nothing else listens
 
 
 class NetemUnavailable(RuntimeError):
@@ -134,7 +141,7 @@ class NetnsMesh:
         post = self._spawn("postprocessor-0", "postprocessor", ["--models", models])
         workers = []
         ns_ip, ns_name = self.ns.ns_ip, self.ns.name
-        placements = [("zone-a", ns_ip, ns_name, 50_101), ("zone-a", ns_ip, ns_name, 50_102),
+        placements = [*(("zone-a", ns_ip, ns_name, port) for port in _ZONE_A_PORTS),
                       ("zone-b", "127.0.0.1", "", 0)]
         for i, (zone, host, netns, port) in enumerate(placements):
             args = ["--model", str(self.model_dir), "--served-model-name", model, "--zone", zone,
@@ -173,6 +180,26 @@ class NetnsMesh:
                 proc.stop(timeout=10)
         for proxy in self.proxies:
             proxy.stop()
+
+    def cut_zone(self) -> None:
+        """zone-a cut off: its link down and the router's forwarders to it severed."""
+        for proxy in self.proxies:
+            proxy.sever()
+        self.ns.cut()
+
+    def restore_zone(self) -> None:
+        self.ns.restore()
+        for proxy in self.proxies:
+            proxy.mend()
+
+    def zone_reachable(self, timeout: float = 0.5) -> bool:
+        """Whether a TCP connection from this namespace reaches a zone-a worker directly
+        (around the forwarders): for failure messages."""
+        try:
+            with socket.create_connection((self.ns.ns_ip, _ZONE_A_PORTS[0]), timeout=timeout):
+                return True
+        except OSError:
+            return False
 
     def set_proxy_delay(self, seconds: float) -> None:
         for proxy in self.proxies:
