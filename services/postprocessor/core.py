@@ -160,14 +160,14 @@ class PostprocessSession:
     """One request's stream. ``feed`` token deltas, then ``end``; stop after a final."""
 
     def __init__(self, model: LoadedTokenizer, config: SessionConfig, mode: FilterMode,
-                 limits: Limits, *, byte_ids: frozenset[int],
+                 limits: Limits, *, byte_ids: frozenset[int], token_texts: dict[int, str] | None = None,
                  on_redaction: Callable[[str], None] | None = None) -> None:
         self.model = model
         self.config = config
         self.limits = limits
         self.detokenizer = IncrementalDetokenizer(
             model.tokenizer, skip_special_tokens=config.skip_special_tokens,
-            byte_token_ids=byte_ids, special_token_ids=model.special_ids,
+            byte_token_ids=byte_ids, special_token_ids=model.special_ids, token_texts=token_texts,
         )
         self.stops = StopStringMatcher(config.stop, include_stop=config.include_stop_str_in_output)
         self.filter = SensitiveDataFilter(mode)
@@ -269,6 +269,10 @@ class PostprocessCore:
         self.default_filter_mode = default_filter_mode
         self.on_redaction = on_redaction
         self._byte_ids = {name: byte_fallback_ids(m.tokenizer) for name, m in self.models.items()}
+        # Single tokens' texts, per model and skip_special_tokens, shared by its streams.
+        self._token_texts: dict[tuple[str, bool], dict[int, str]] = {
+            (name, skip): {} for name in self.models for skip in (False, True)
+        }
 
     def open(self, config: SessionConfig, field: str = "config") -> PostprocessSession:
         """Validate ``config`` and start a session (errors name ``config.<field>``)."""
@@ -294,5 +298,6 @@ class PostprocessCore:
             raise InvalidArgument(f"{field}.skip_chars", f"must be <= {self.limits.max_skip_chars}")
         mode = config.filter_mode or self.default_filter_mode
         return PostprocessSession(
-            model, config, mode, self.limits, byte_ids=self._byte_ids[name], on_redaction=self.on_redaction
+            model, config, mode, self.limits, byte_ids=self._byte_ids[name],
+            token_texts=self._token_texts[name, config.skip_special_tokens], on_redaction=self.on_redaction,
         )

@@ -18,6 +18,10 @@ and emit only what the new tokens added to it:
 
 The concatenated output equals ``tokenizer.decode(all_ids)`` (property-tested in
 tests/postprocessor for both tokenizer families).
+
+Each step decodes two windows. Streamed one token at a time, the first (the text already
+emitted) is a single token, whose text a table shared by every stream of the tokenizer
+keeps: one decode per token instead of two, the postprocessor's largest single cost.
 """
 
 from __future__ import annotations
@@ -50,10 +54,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
                  max_held_tokens: int = 64, byte_token_ids: frozenset[int] | None = None,
-                 special_token_ids: frozenset[int] | None = None) -> None:
+                 special_token_ids: frozenset[int] | None = None,
+                 token_texts: dict[int, str] | None = None) -> None:
         """``byte_token_ids`` / ``special_token_ids`` are computed from ``tokenizer`` when
-        not given; pass them to avoid that per stream."""
+        not given; pass them to avoid that per stream. ``token_texts`` is the table of
+        single tokens' decoded texts, to share between the streams of one tokenizer and
+        one ``skip_special_tokens`` (at most one entry per vocabulary id)."""
         self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {} if token_texts is None else token_texts
         self.skip_special_tokens = skip_special_tokens
         self.byte_token_ids = byte_fallback_ids(tokenizer) if byte_token_ids is None else byte_token_ids
         if special_token_ids is None:
@@ -88,7 +96,16 @@ class IncrementalDetokenizer:
     def _step(self, *, final: bool) -> str:
         if self.read_offset >= len(self.token_ids):
             return ""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        emitted = self.read_offset - self.prefix_offset
+        if emitted == 1:
+            token = self.token_ids[self.prefix_offset]
+            prefix_text = self.token_texts.get(token)
+            if prefix_text is None:
+                prefix_text = self.token_texts[token] = self._decode([token])
+        elif emitted:
+            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        else:
+            prefix_text = ""
         new_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) and not final:
             # The new tokens add no text yet (e.g. skipped special tokens): wait for more.

@@ -177,6 +177,25 @@ def test_special_tokens_in_stream(core, model, eos):
     assert kept[0] == "Paris." and kept[1].matched_stop == eos_text
 
 
+@pytest.mark.parametrize(("model", "eos"), [(SMOL, 2), (TINY, 1)])
+def test_streams_share_single_token_texts_per_model_and_special_token_setting(tokenizers, model, eos):
+    core = PostprocessCore(tokenizers, default_filter_mode=FilterMode.OFF)
+    tok = core.models[model].tokenizer
+    # A special token mid-stream: its text is empty when skipped and not when kept, so
+    # one table for both settings would give the kept stream the wrong window.
+    ids = [*_ids(core, model, "Paris."), eos, *_ids(core, model, " Then Rome.")]
+    for skip in (True, False, True, False):  # each setting's table warm the second time
+        text = _run(core, SessionConfig(model=model, skip_special_tokens=skip), ids)[0]
+        assert text == tok.decode(ids, skip_special_tokens=skip)
+    skipping = core.open(SessionConfig(model=model)).detokenizer.token_texts
+    assert skipping is core.open(SessionConfig(model=model)).detokenizer.token_texts
+    kept = core.open(SessionConfig(model=model, skip_special_tokens=False)).detokenizer.token_texts
+    assert kept is not skipping
+    assert kept[eos] == tok.decode([eos], skip_special_tokens=False) != ""
+    assert skipping == {i: tok.decode([i], skip_special_tokens=True) for i in skipping}
+    assert kept == {i: tok.decode([i], skip_special_tokens=False) for i in kept}
+
+
 def test_validation_names_fields(core):
     with pytest.raises(NotFound, match=r"config\.model"):
         core.open(SessionConfig(model="nope"))

@@ -12,8 +12,8 @@ from tests.postprocessor.conftest import SMOL, TINY
 MULTIBYTE = "你好，世界！漢字テスト 😀👍🏽👩‍👩‍👧 ünïcödé Ωμέγα"
 
 
-def _stream(tokenizer, ids, chunks, skip=True):
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+def _stream(tokenizer, ids, chunks, skip=True, token_texts=None):
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, token_texts=token_texts)
     deltas = []
     pos = 0
     for size in chunks:
@@ -47,9 +47,14 @@ def _property(model_name):
         ids = data.draw(st.lists(token, max_size=48), label="ids")
         chunks = data.draw(st.lists(st.integers(1, 6), max_size=48), label="chunks")
         skip = data.draw(st.booleans(), label="skip_special_tokens")
-        deltas = _stream(model.tokenizer, ids, chunks, skip)
+        # A table of single tokens' texts warmed by every earlier example, as a
+        # postprocessor's streams share one, or a fresh one.
+        shared = data.draw(st.booleans(), label="shared_token_texts")
+        table = tables.setdefault(skip, {}) if shared else None
+        deltas = _stream(model.tokenizer, ids, chunks, skip, table)
         assert "".join(deltas) == model.tokenizer.decode(ids, skip_special_tokens=skip)
 
+    tables: dict[bool, dict[int, str]] = {}
     return check
 
 
@@ -121,3 +126,44 @@ def test_empty_stream_and_very_long_stream(tokenizers, name):
     assert len(ids) > 4000
     deltas = _stream(tok, ids, [3] * (len(ids) // 3 + 1))
     assert "".join(deltas) == tok.decode(ids) == text
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts its decode calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decodes = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decodes += 1
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("name", [SMOL, TINY])
+@pytest.mark.parametrize("text", [
+    "The ledger of branch 7 must balance, and stay balanced. " * 4,
+    "Ledgers 跳过 😀 balance. " * 4,  # characters split over tokens: windows of several
+])
+def test_one_token_at_a_time_decodes_once_per_token_with_a_shared_table(tokenizers, name, text):
+    model = tokenizers[name]
+    ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+    table: dict[int, str] = {}
+    counted = _CountingTokenizer(model.tokenizer)
+
+    def stream() -> tuple[str, int]:
+        counted.decodes = 0
+        detok = IncrementalDetokenizer(
+            counted, byte_token_ids=byte_fallback_ids(model.tokenizer),  # type: ignore[arg-type]
+            special_token_ids=model.special_ids, token_texts=table,
+        )
+        return "".join(detok.add([i]) for i in ids) + detok.flush(), counted.decodes
+
+    cold_text, cold = stream()
+    warm_text, warm = stream()  # a second stream finds the table warm
+    assert cold_text == warm_text == model.tokenizer.decode(ids)
+    assert table == {i: model.tokenizer.decode([i]) for i in table}
+    assert warm < cold
+    if text.isascii():  # every token a whole piece: one window decode per token, no more
+        assert cold <= len(ids) + len(set(ids)) + 1
+        assert warm <= len(ids) + 1
