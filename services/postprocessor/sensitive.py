@@ -78,6 +78,16 @@ _EMAIL = re.compile(
 )
 
 
+# Every kind's match holds a digit (``\d``, as its pattern: any Unicode decimal digit)
+# or an "@": text without either can hold no match, and the filter skips the search.
+_TRIGGER = re.compile(r"[\d@]")
+
+
+def could_match(text: str) -> bool:
+    """False when no kind can match anywhere in ``text`` (no digit and no "@")."""
+    return _TRIGGER.search(text) is not None
+
+
 def _shorter_ends(text: str, start: int, end: int) -> list[int]:
     """``end`` and every earlier separator position: candidates trimmed group by group."""
     ends = [end]
@@ -233,8 +243,10 @@ class SensitiveDataFilter:
         if not buf:
             return ""
         ctx = self._before
+        # Matches start in ``buf`` and so lie in it: without a digit or "@" there is none
+        # (the search tries every pattern at every start: most of a redacting stream's CPU).
         matches = [Match(m.kind, m.start - len(ctx), m.end - len(ctx))
-                   for m in find_sensitive(ctx + buf, min_start=len(ctx))]
+                   for m in find_sensitive(ctx + buf, min_start=len(ctx))] if could_match(buf) else []
         release = len(buf) if final else hold_start(buf, ctx)
         for m in matches:
             if m.start < release < m.end:

@@ -11,6 +11,7 @@ from services.postprocessor.sensitive import (
     FilterMode,
     SensitiveDataFilter,
     cn_id_valid,
+    could_match,
     find_sensitive,
     iban_valid,
     luhn_valid,
@@ -128,3 +129,28 @@ def test_streamed_output_equals_one_shot(parts, cuts):
     pieces.append(text[pos:])
     streamed, _ = _stream(FilterMode.REDACT, pieces)
     assert streamed == whole
+
+
+# Everything the patterns use but digits and "@" (the Unicode digit is the filter's
+# business too: ``\d`` matches it).
+_NO_TRIGGER = st.text(alphabet=st.sampled_from(list("abcxyzXYZDEGB .,;:-+()%_/\n你好é")), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_NO_TRIGGER, start=st.integers(0, 80))
+def test_text_without_a_digit_or_at_sign_holds_no_match(text, start):
+    """The premise of the filter's fast path, checked against the full search."""
+    assert not could_match(text)
+    assert find_sensitive(text, min_start=min(start, len(text))) == []
+
+
+@pytest.mark.parametrize("sample", [*SAMPLES.values(), PHONE_CN, "\uff14111 1111 1111 1111", "user@host"])
+def test_every_kind_needs_a_digit_or_at_sign(sample):
+    assert could_match(sample)
+    assert not could_match(sample.translate({ord(c): None for c in "0123456789@\uff14"}))
+
+
+def test_the_fast_path_still_redacts_a_number_completed_by_a_later_delta():
+    """Deltas without a digit still pass through the search while a held number waits."""
+    out, f = _stream(FilterMode.REDACT, ["card ", CARD[:4], " ", CARD[5:9], " ", CARD[10:], " thanks"])
+    assert out == "card [REDACTED:card] thanks" and f.redactions == {"card": 1}
