@@ -19,6 +19,13 @@ from services.router.workerapi import WorkerCallError, WorkerClient
 log = logging.getLogger(__name__)
 
 READINESS_SERVICE = "llmesh.worker.v1.WorkerService"
+_WATCHDOG_SLACK_S = 0.005
+"""The watchdog looks this long after a report would be late (timer granularity)."""
+
+
+def _ring(rung: asyncio.Future[None] | None) -> None:
+    if rung is not None and not rung.done():
+        rung.set_result(None)
 
 
 class WorkerMonitor:
@@ -54,6 +61,11 @@ class WorkerMonitor:
         self._reviving: asyncio.Task[None] | None = None
         self._frame_load_at = float("-inf")
         """Loop time of the latest load a session frame carried."""
+        self._alarm: asyncio.TimerHandle | None = None
+        """When the watchdog wakes next, while it waits for a report to be late (moved
+        later by every report: see :meth:`_take_report`)."""
+        self._alarm_rung: asyncio.Future[None] | None = None
+        """What the watchdog awaits: done when the alarm goes off."""
 
     def _last_sign(self) -> float:
         """Loop time of the latest sign of life: a load report or a data frame."""
@@ -72,6 +84,14 @@ class WorkerMonitor:
         if changed:
             self._on_change(self.state)
 
+    @property
+    def frame_silence_s(self) -> float:
+        """How long the worker may stay quiet after a frame carried its load: the limit on
+        silence less an interval (at least an interval), so that an engine whose steps take
+        a little longer than the interval is not asked for a report between every two
+        steps, and a report still comes an interval before the watchdog would count a miss."""
+        return max(self.interval_s, self.timeout_s - self.interval_s)
+
     def _frames_carry_load(self) -> bool:
         """Whether the sessions' frames carry the worker's load now (one came within two
         intervals): the named watch is silent by design then, and its connection is not
@@ -81,7 +101,15 @@ class WorkerMonitor:
     def _take_report(self, load: Load) -> bool:
         """A load report (from the watch or a frame); whether it changed the worker's state."""
         state = self.state
-        self._last_report = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        self._last_report = now = loop.time()
+        alarm = self._alarm
+        if alarm is not None and alarm.when() - now < self.timeout_s / 2:
+            # Reports are flowing: the watchdog would wake only to find this one and sleep
+            # again (three times a second under load), so its wake moves to when this
+            # report would be late, the time it would compute itself.
+            alarm.cancel()
+            self._alarm = loop.call_at(now + self.timeout_s + _WATCHDOG_SLACK_S, _ring, self._alarm_rung)
         changed = load != state.load or state.load_failures > 0
         state.load = load
         state.load_failures = 0
@@ -147,6 +175,7 @@ class WorkerMonitor:
             try:
                 connected = True
                 async for load in self.client.watch_load(self.interval_s, watcher=self.watcher,
+                                                         silence_s=self.frame_silence_s,
                                                          elsewhere=self._frames_carry_load):
                     changed = self._take_report(load)
                     # A new stream, or reports again after a silence: the process may have
@@ -185,7 +214,7 @@ class WorkerMonitor:
             # interval; once silent, when the next window of silence is complete.
             since = max(self._last_sign(), counted_at)
             due = since + self.timeout_s - loop.time()
-            await asyncio.sleep(due + 0.005 if due > 0 else self.interval_s)
+            await self._sleep(due + _WATCHDOG_SLACK_S if due > 0 else self.interval_s)
             now = loop.time()
             if now - self._last_sign() <= self.timeout_s:
                 continue
@@ -211,6 +240,18 @@ class WorkerMonitor:
             elif broken:
                 state.silent_since = None
             self._on_change(state)  # every miss counts: requests move after a few of them
+
+    async def _sleep(self, delay: float) -> None:
+        """The watchdog's sleep, on an alarm that reports may move later."""
+        loop = asyncio.get_running_loop()
+        self._alarm_rung = rung = loop.create_future()
+        self._alarm = loop.call_later(delay, _ring, rung)
+        try:
+            await rung
+        finally:
+            if self._alarm is not None:
+                self._alarm.cancel()
+            self._alarm = self._alarm_rung = None
 
     async def _health_loop(self) -> None:
         state = self.state

@@ -77,7 +77,9 @@ class RouterSettings(ServerSettings):
     tokenizer_target: str = ""
     """Tokenizer tier address; its ListModels supplies expected tokenizer checksums."""
     load_interval_ms: int = 150
-    """Milliseconds between the load reports each worker streams (WatchLoad)."""
+    """Milliseconds between the load reports each worker streams (WatchLoad); after a
+    session frame carried the load, the next report waits load_timeout_ms less this (at
+    least this), so steps a little longer than the interval need no report between them."""
     load_timeout_ms: int = 400
     """A worker whose latest load report is older than this is marked unreachable (a
     missed poll); another one is counted after every further load_timeout_ms of silence."""

@@ -110,13 +110,14 @@ class WorkerClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def watch_load(self, interval_s: float, *, watcher: str = "",
+    def watch_load(self, interval_s: float, *, watcher: str = "", silence_s: float = 0.0,
                    elsewhere: Callable[[], bool] | None = None) -> AsyncIterator[Load]:
         """The worker's load every ``interval_s`` (WatchLoad); raises WorkerCallError
         when the stream breaks. A named watch (``watcher``) gets a report only when no
         frame of a session opened with the same name carried the load for ``interval_s``
-        (services/worker/loadclock.py); while ``elsewhere`` says the frames carry it, the
-        watch's connection is not pinged either."""
+        (``silence_s`` after a frame carried it, when longer; services/worker/loadclock.py);
+        while ``elsewhere`` says the frames carry it, the watch's connection is not pinged
+        either."""
         ...
 
     async def get_model_info(self, timeout: float) -> WorkerInfo: ...

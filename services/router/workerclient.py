@@ -280,14 +280,15 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 
-    async def watch_load(self, interval_s: float, *, watcher: str = "",
+    async def watch_load(self, interval_s: float, *, watcher: str = "", silence_s: float = 0.0,
                          elsewhere: Callable[[], bool] | None = None) -> AsyncIterator[Load]:
         # Over the worker's framed listener when it has one (a connection of its own, not
         # the Session's: busy frames must not delay the reports that decide reachability),
         # where a report costs both processes a fraction of a grpc.aio message. Named, the
         # watch is quiet while this router's session frames carry the load, and so is its
         # keepalive while ``elsewhere`` says so (no ping, no pong: no wake-up on either side).
-        request = worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000)), watcher=watcher)
+        request = worker_pb2.WatchLoadRequest(interval_ms=max(10, round(interval_s * 1000)), watcher=watcher,
+                                              silence_ms=max(0, round(silence_s * 1000)))
         call = self._opener().open(
             WATCH_LOAD_METHOD, lambda _messages: self.control_stub.WatchLoad(request),
             _one(request), worker_pb2.WatchLoadResponse, elsewhere=elsewhere)

@@ -8,6 +8,12 @@ when no frame carried the load for a whole interval. At a real engine's step rat
 frame leaves every step, so the watch sleeps: each report was a wakeup of the worker and
 of the router (about 0.3 ms of CPU each on the measured machines, against frames they
 handle anyway). An idle worker reports as before: its frames are what stops.
+
+After a frame carried the load the next report waits the watch's ``silence`` (at least
+the interval; the router asks for its silent-worker limit less an interval): a CPU engine
+whose steps take a little longer than the interval (32 streams of SmolLM2 on two cores:
+about 170 ms against the router's 150) otherwise made the watch report between every two
+steps, a wake-up of both processes per step for a load the next frame carries anyway.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import asyncio
 class LoadClock:
     """One router's watch: when its load went last, and its next report."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, silence_s: float = 0.0) -> None:
         self.interval_s = interval_s
+        self.silence_s = max(interval_s, silence_s)
+        """How long after a frame carried the load the next report waits."""
         self.sent_at = float("-inf")
         self._due = asyncio.Event()
         self._due.set()  # a new watch reports at once
@@ -29,14 +37,16 @@ class LoadClock:
         """Whether a frame sent at ``now`` should carry the load."""
         return now - self.sent_at >= self.interval_s / 2
 
-    def sent(self, now: float) -> None:
-        """The load went to the router at loop time ``now`` (a report or a frame): the
-        next report is due an interval later, unless a frame carries it first."""
+    def sent(self, now: float, *, on_frame: bool = False) -> None:
+        """The load went to the router at loop time ``now``, on a report or (``on_frame``)
+        on a frame: the next report is due an interval later (after a frame, the
+        silence), unless a frame carries the load first."""
         self.sent_at = now
         self._due.clear()
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_at(now + self.interval_s, self._due.set)
+        wait = self.silence_s if on_frame else self.interval_s
+        self._timer = asyncio.get_running_loop().call_at(now + wait, self._due.set)
 
     async def wait_report(self) -> None:
         """Until a report is due (no load went for an interval)."""
@@ -54,8 +64,8 @@ class LoadClocks:
     def __init__(self) -> None:
         self._clocks: dict[str, LoadClock] = {}
 
-    def open(self, watcher: str, interval_s: float) -> LoadClock:
-        clock = LoadClock(interval_s)
+    def open(self, watcher: str, interval_s: float, silence_s: float = 0.0) -> LoadClock:
+        clock = LoadClock(interval_s, silence_s)
         previous = self._clocks.get(watcher)
         if previous is not None:
             previous.close()  # the router's new watch replaces its old one

@@ -96,7 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 clock = self.load_clocks.get(watcher)
                 if clock is not None and clock.frame_due(now := loop.time()):
                     message.load.CopyFrom(convert.load_to_proto(core.load()))
-                    clock.sent(now)
+                    clock.sent(now, on_frame=True)
                 yield message
 
     async def Abort(
@@ -139,10 +139,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if interval < 0.01:
             raise InvalidArgument("interval_ms", "must be 0 (100 ms) or at least 10")
         # A named watch's clock is pushed back by the frames of the caller's sessions that
-        # carry the load (a report only when none did for an interval); an unnamed one's
-        # by nothing: a report every interval.
+        # carry the load (a report only when none did for an interval, or for silence_ms
+        # after a frame did); an unnamed one's by nothing: a report every interval.
         watcher = request.watcher
-        clock = self.load_clocks.open(watcher, interval) if watcher else LoadClock(interval)
+        if watcher:
+            clock = self.load_clocks.open(watcher, interval, request.silence_ms / 1000.0)
+        else:
+            clock = LoadClock(interval)
         loop = asyncio.get_running_loop()
         try:
             while True:

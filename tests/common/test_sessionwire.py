@@ -308,6 +308,58 @@ async def test_pings_keep_an_idle_session_alive(monkeypatch: pytest.MonkeyPatch)
         assert await asyncio.wait_for(reading, 5) == [1]
 
 
+async def test_frames_arriving_push_the_keepalive_back_so_it_never_fires(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While frames arrive more often than PING_IDLE_S, the keepalive timer is moved from
+    the reader and never fires (it woke both ends of a busy session twice a second); once
+    they stop it fires after PING_IDLE_S of silence, and the peer is pinged."""
+    monkeypatch.setattr(sessionwire, "PING_IDLE_S", 0.1)
+    monkeypatch.setattr(sessionwire, "DEAD_AFTER_S", 0.6)
+    ticks: list[float] = []
+    plain_tick = FramedCall._tick
+
+    def counting_tick(self: FramedCall) -> None:
+        ticks.append(asyncio.get_running_loop().time())
+        plain_tick(self)
+
+    monkeypatch.setattr(FramedCall, "_tick", counting_tick)
+    stop = asyncio.Event()
+
+    async def every_40_ms() -> AsyncIterator[worker_pb2.SessionRequest]:
+        for handle in range(100, 125):  # a second of frames, one every 40 ms
+            yield submit(handle)
+            await asyncio.sleep(0.04)
+        await stop.wait()
+
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        loop = asyncio.get_running_loop()
+        call = open_call(opener, every_40_ms())
+        handles: list[int] = []
+        last_frame = 0.0
+
+        async def read() -> None:
+            nonlocal last_frame
+            async for response in call:
+                handles.extend(response.handles)
+                last_frame = loop.time()
+
+        reading = asyncio.ensure_future(read())
+        await wait_until(lambda: len(handles) == 25)
+        assert ticks == [], ticks
+        await asyncio.sleep(0.25)  # silence: the timer fires a PING_IDLE_S after the last frame
+        assert ticks and ticks[0] - last_frame >= 0.1 - 0.01, (ticks, last_frame)
+        assert not reading.done()  # the peer answers the pings
+        stop.set()
+        reading.cancel()
+
+
+async def wait_until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
 async def test_a_peer_without_a_listener_is_called_over_grpc() -> None:
     handler = EchoSessions()
     async with Peer(handler, listener=False) as peer, opener_for(peer) as opener:

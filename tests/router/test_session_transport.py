@@ -163,6 +163,10 @@ async def test_a_busy_workers_load_comes_on_its_frames(two_workers: list[Running
         assert dispatcher.load_watch is not None and dispatcher.load_watch[0] == monitor.watcher
         # The worker knows the watch by the router's name for it.
         await wait_for(lambda: worker.server.servicer.load_clocks.get(monitor.watcher) is not None)
+        # After a frame with the load, the watch may stay quiet for the router's limit on
+        # silence less an interval (steps longer than the interval need no report between).
+        clock = worker.server.servicer.load_clocks.get(monitor.watcher)
+        assert clock is not None and clock.silence_s == pytest.approx(0.3)
         taken: list[int] = []
 
         def frame_load(load):  # type: ignore[no-untyped-def]

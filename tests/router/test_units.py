@@ -12,6 +12,7 @@ import pytest
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2
 from services.common.generation import Delta, Final, FinishReason, TokenRequest
+from services.router import health
 from services.router.batching import AdaptiveWindow, BatchDispatcher
 from services.router.breaker import Circuit, CircuitBreaker
 from services.router.health import WorkerMonitor
@@ -364,8 +365,11 @@ class _SilentAfterOneReport:
 
     def __init__(self) -> None:
         self.reported_at = 0.0
+        self.silence_s: float | None = None
 
-    async def watch_load(self, interval_s: float, *, watcher: str = "", elsewhere=None):  # type: ignore[no-untyped-def]
+    async def watch_load(self, interval_s: float, *, watcher: str = "", silence_s: float = 0.0,  # type: ignore[no-untyped-def]
+                         elsewhere=None):
+        self.silence_s = silence_s
         self.reported_at = asyncio.get_running_loop().time()
         yield Load(running=1)
         await asyncio.Event().wait()
@@ -431,6 +435,69 @@ async def test_frames_on_the_data_plane_keep_a_worker_with_late_load_reports_rou
         await monitor.stop()
 
 
+class _SteadyReports(_SilentAfterOneReport):
+    """A worker whose WatchLoad stream reports every 20 ms."""
+
+    async def watch_load(self, interval_s: float, *, watcher: str = "", silence_s: float = 0.0,  # type: ignore[no-untyped-def]
+                         elsewhere=None):
+        while True:
+            self.reported_at = asyncio.get_running_loop().time()
+            yield Load(running=1)
+            await asyncio.sleep(0.02)
+
+
+async def test_the_watchdog_sleeps_while_reports_flow_and_wakes_when_one_is_late(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every report moves the watchdog's wake to when that report would be late, so a
+    watched worker that reports on time wakes the router only for its reports (the
+    watchdog woke about three times a second for nothing); a report that is late is still
+    counted a timeout after the previous one."""
+    wakes: list[float] = []
+    plain_ring = health._ring
+
+    def counting_ring(rung: asyncio.Future[None] | None) -> None:
+        wakes.append(asyncio.get_running_loop().time())
+        plain_ring(rung)
+
+    monkeypatch.setattr(health, "_ring", counting_ring)
+    state = WorkerState("127.0.0.1:1", CircuitBreaker())
+    client = _SteadyReports()
+    monitor = WorkerMonitor(state, client,  # type: ignore[arg-type]
+                            check_info=lambda s, i: None, on_change=lambda s: None,
+                            interval_s=0.02, timeout_s=0.2)
+    monitor.start()
+    try:
+        await wait_for(lambda: state.reachable, timeout=2.0, interval=0.01)
+        await asyncio.sleep(1.0)  # five timeouts' worth of reports every 20 ms
+        assert wakes == [] and state.load_failures == 0
+        [loop_task] = [t for t in monitor._tasks if "_load_loop" in repr(t.get_coro())]
+        loop_task.cancel()  # the reports stop
+        await asyncio.sleep(0.3)
+        # At most one early look (a report that found the alarm more than half a timeout
+        # away left it there), then the one that counts the miss.
+        assert 1 <= len(wakes) <= 2 and wakes[-1] - client.reported_at >= 0.2, wakes
+        assert state.load_failures == 1 and not state.reachable
+    finally:
+        await monitor.stop()
+
+
+async def test_the_watch_asks_for_the_silence_limit_less_an_interval_after_a_frame() -> None:
+    """After a frame carried the load, the worker may stay quiet for the watchdog's limit
+    less an interval (never less than an interval): steps a little longer than the interval
+    need no report between them, and a report still comes an interval before a miss."""
+    for interval, timeout, silence in ((0.15, 0.4, 0.25), (0.3, 0.4, 0.3), (0.02, 0.2, 0.18)):
+        client = _SilentAfterOneReport()
+        monitor = WorkerMonitor(WorkerState("127.0.0.1:1", CircuitBreaker()), client,  # type: ignore[arg-type]
+                                check_info=lambda s, i: None, on_change=lambda s: None,
+                                interval_s=interval, timeout_s=timeout)
+        monitor.start()
+        try:
+            await wait_for(lambda: client.silence_s is not None, timeout=2.0, interval=0.01)  # noqa: B023
+        finally:
+            await monitor.stop()
+        assert client.silence_s == pytest.approx(silence), (interval, timeout)
+
+
 async def test_load_on_a_frame_is_a_report_and_brings_an_unreachable_worker_back() -> None:
     """The worker's load on a session frame (it sends the named watch no report while its
     frames carry the load) does what a report does: fresh load, no missed polls, and a
@@ -465,7 +532,8 @@ class _BrokenWatch(_SilentAfterOneReport):
 
     connects = 0
 
-    async def watch_load(self, interval_s: float, *, watcher: str = "", elsewhere=None):  # type: ignore[no-untyped-def]
+    async def watch_load(self, interval_s: float, *, watcher: str = "", silence_s: float = 0.0,  # type: ignore[no-untyped-def]
+                         elsewhere=None):
         self.connects += 1
         if self.connects == 1:
             yield Load(running=1)

@@ -4,13 +4,14 @@ only when no frame of the same router's sessions carried the load for an interva
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from llmesh.worker.v1 import worker_pb2
 from services.worker.loadclock import LoadClock
 
-from .conftest import RunningWorker, token_request
+from .conftest import RunningWorker, start_running_worker, token_request
 
 
 async def test_the_clock_reports_at_once_then_only_after_an_interval_without_load() -> None:
@@ -27,6 +28,25 @@ async def test_the_clock_reports_at_once_then_only_after_an_interval_without_loa
     await asyncio.wait_for(clock.wait_report(), 1)
     assert loop.time() - start >= 0.16
     clock.close()
+
+
+async def test_after_a_frame_the_report_waits_the_silence_and_after_a_report_the_interval() -> None:
+    loop = asyncio.get_running_loop()
+    clock = LoadClock(0.05, 0.2)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    start = loop.time()
+    clock.sent(start, on_frame=True)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(clock.wait_report(), 0.15)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert loop.time() - start >= 0.2
+    start = loop.time()
+    clock.sent(start)  # a report: the next one an interval later
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert 0.05 <= loop.time() - start < 0.15
+    clock.close()
+    # A silence shorter than the interval is the interval.
+    assert LoadClock(0.1, 0.02).silence_s == 0.1
 
 
 async def _reports(call: object, at: list[float], first: asyncio.Event) -> None:
@@ -88,3 +108,47 @@ async def test_frames_of_another_router_or_an_unnamed_session_carry_no_load(
             assert frames and not any(frame.HasField("load") for frame in frames), name
     finally:
         watch.cancel()
+
+
+async def _reports_during_frames(worker: RunningWorker, name: str, silence_ms: int) -> tuple[int, int]:
+    """(reports while the frames of a 10-step request flowed, from its third frame on,
+    frames that carried the load) for a watch of ``interval_ms`` 100 named ``name``. Before
+    the third frame the watch's first report can still be followed by one an interval later
+    (the first frame may come too soon after that report to carry the load)."""
+    loop = asyncio.get_running_loop()
+    reports: list[float] = []
+    watch = worker.stub.WatchLoad(worker_pb2.WatchLoadRequest(interval_ms=100, watcher=name,
+                                                              silence_ms=silence_ms))
+    reported = asyncio.Event()
+    reader = asyncio.ensure_future(_reports(watch, reports, reported))
+    try:
+        await asyncio.wait_for(reported.wait(), 10)
+        first = worker_pb2.SessionRequest(watcher=name, submit=[worker_pb2.SessionSubmit(
+            handle=1, request=token_request(f"slow-{name}", [5, 6], max_tokens=10, ignore_eos=True))])
+        frames_at: list[float] = []
+        loaded = 0
+        async for frame in worker.stub.Session(iter([first]), timeout=30):
+            frames_at.append(loop.time())
+            loaded += frame.HasField("load")
+        return len([t for t in reports if frames_at[2] < t < frames_at[-1]]), loaded
+    finally:
+        reader.cancel()
+        watch.cancel()
+
+
+async def test_steps_longer_than_the_interval_send_no_reports_between_them_within_the_silence(
+    tiny_deepseek_dir: Path,
+) -> None:
+    """A CPU engine's steps can take longer than the router's interval (about 170 ms at 32
+    streams on two cores, against 150): without a silence the watch reported between every
+    two steps; with one longer than a step, the frames alone carry the load."""
+    worker = await start_running_worker(tiny_deepseek_dir, fake_token_delay_ms=140,
+                                        canary_interval_s=30.0, canary_timeout_s=5.0)
+    try:
+        between, loaded = await _reports_during_frames(worker, "router-old", 0)
+        assert between >= 4, between  # 7 gaps of 140 ms, each longer than the 100 ms interval
+        between, loaded = await _reports_during_frames(worker, "router-new", 250)
+        assert between == 0, between
+        assert loaded >= 8, loaded  # every step's frame carried the load instead
+    finally:
+        await worker.close()
