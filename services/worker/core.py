@@ -81,6 +81,10 @@ class LoadReport:
 
 ABORTED_ID_WAIT_S = 2.0
 """How long a request waits for an aborted one under the same id to leave the engine."""
+BUSY_CHECK_FACTOR = 4
+"""How many times ``engine_check_interval_s`` the engine check waits while requests are in
+flight (their sinks report the engine's death at once; each check is a wake-up of the
+worker, about 0.3 ms of CPU a CPU engine's step apart)."""
 
 
 @dataclass
@@ -604,12 +608,17 @@ class WorkerCore:
         """Watch the engine until it dies: cheap liveness checks, and a periodic canary.
 
         Calls ``on_change(serving)`` whenever the serving verdict changes; returns once the
-        engine is dead (the caller then exits the process).
+        engine is dead (the caller then exits the process). Checks every
+        ``check_interval_s``, or :data:`BUSY_CHECK_FACTOR` times that while requests are
+        in flight.
         """
         serving = self.health.serving
         next_canary = time.monotonic() + canary_interval_s
         while not self.health.engine_dead:
-            await asyncio.sleep(check_interval_s)
+            # While requests are in the engine its death reaches them at once (their sinks
+            # get EngineDeadError, which marks it dead): the check only backs that up then,
+            # and wakes a busy worker BUSY_CHECK_FACTOR times less often.
+            await asyncio.sleep(check_interval_s * (BUSY_CHECK_FACTOR if self._in_flight else 1))
             try:
                 await self.engine.check_health()
             except EngineDeadError as exc:

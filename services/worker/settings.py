@@ -44,7 +44,8 @@ class WorkerSettings(ServerSettings):
     canary_timeout_s: float = 10.0
     """A canary that yields no token within this many seconds marks the worker NOT_SERVING."""
     engine_check_interval_s: float = 0.5
-    """Seconds between cheap engine liveness checks (a dead engine makes the process exit)."""
+    """Seconds between cheap engine liveness checks (a dead engine makes the process exit);
+    four times this while requests are in flight (their own outputs report a dead engine)."""
 
     # -- vLLM engine arguments (vLLM's names; None keeps vLLM's default) -------------------
     tensor_parallel_size: int = 1

@@ -148,6 +148,41 @@ def test_cli_sigterm_exits_zero(tiny_deepseek_dir: Path, tmp_path: Path) -> None
         proc.kill()
 
 
+async def test_the_engine_check_wakes_a_busy_worker_less_often(tiny_deepseek_dir: Path) -> None:
+    """While requests are in flight their outputs report a dead engine at once, so the
+    check runs BUSY_CHECK_FACTOR times less often; idle, every engine_check_interval_s."""
+    from services.worker.core import BUSY_CHECK_FACTOR
+
+    worker = await start_running_worker(tiny_deepseek_dir, canary_interval_s=30.0,
+                                        engine_check_interval_s=0.05, fake_token_delay_ms=10)
+    assert worker.engine is not None
+    checks: list[float] = []
+    plain_check = worker.engine.check_health
+    loop = asyncio.get_running_loop()
+
+    async def counting_check() -> None:
+        checks.append(loop.time())
+        await plain_check()
+
+    worker.engine.check_health = counting_check  # type: ignore[method-assign]
+    try:
+        call = worker.stub.Generate(worker_pb2.GenerateRequest(
+            request=token_request("busy", [5, 6], max_tokens=120, ignore_eos=True)))  # ~1.2 s
+        await call.read()
+        start = loop.time()
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        busy = [t for t in checks if start < t < loop.time()]
+        span = loop.time() - start
+        assert BUSY_CHECK_FACTOR > 1 and len(busy) <= span / (0.05 * BUSY_CHECK_FACTOR) + 1, (len(busy), span)
+        idle_from = loop.time()
+        await asyncio.sleep(0.6)
+        idle = [t for t in checks if t > idle_from + 0.25]  # after the last busy sleep ended
+        assert len(idle) >= 5, idle
+    finally:
+        assert await worker.close() == 0
+
+
 async def test_busy_engine_is_not_wedged(tiny_deepseek_dir: Path) -> None:
     """A canary queued behind real work times out, but callers still get tokens: stay SERVING."""
     worker = await start_running_worker(tiny_deepseek_dir, fake_max_running=1)
