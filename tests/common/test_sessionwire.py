@@ -38,6 +38,7 @@ from services.common.sessionwire import (
     target_host,
 )
 from services.common.settings import TlsSettings
+from tests.router.helpers import wait_for
 
 METHOD = "/llmesh.worker.v1.WorkerService/Session"
 
@@ -344,20 +345,13 @@ async def test_frames_arriving_push_the_keepalive_back_so_it_never_fires(
                 last_frame = loop.time()
 
         reading = asyncio.ensure_future(read())
-        await wait_until(lambda: len(handles) == 25)
+        await wait_for(lambda: len(handles) == 25, interval=0.01)
         assert ticks == [], ticks
         await asyncio.sleep(0.25)  # silence: the timer fires a PING_IDLE_S after the last frame
         assert ticks and ticks[0] - last_frame >= 0.1 - 0.01, (ticks, last_frame)
         assert not reading.done()  # the peer answers the pings
         stop.set()
         reading.cancel()
-
-
-async def wait_until(condition: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_peer_without_a_listener_is_called_over_grpc() -> None:
