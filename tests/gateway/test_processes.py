@@ -62,6 +62,15 @@ def _served_by_pids(mesh: Mesh) -> list[int]:
     return [int(x["pid"]) for x in lines if str(x["msg"]).startswith("request ") and "pid" in x]
 
 
+def _ready_pids(mesh: Mesh) -> set[int]:
+    """pids of the gateway's processes that logged their readiness as SERVING."""
+    log = next(p.log_path for p in mesh.procs if p.tier == "gateway")
+    assert log is not None
+    lines = (json.loads(x) for x in log.read_text().splitlines() if x.startswith("{"))
+    return {int(x["pid"]) for x in lines
+            if x.get("msg") == "readiness of llmesh.v1.InferenceService: SERVING" and "pid" in x}
+
+
 async def _until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -87,6 +96,10 @@ async def test_two_processes_serve_status_lists_both_and_a_kill_9_fails_no_retri
     two_gateways: Mesh, tmp_path: Path
 ) -> None:
     mesh = two_gateways
+    # `llmesh up` returns once the shared port answers SERVING, which one process may do
+    # before the other is ready (80 ms apart in a CI run where the status check below then
+    # reached the other): wait until each process has logged its readiness.
+    await _until(lambda: len(_ready_pids(mesh)) == 2, "both gateway processes ready", timeout=30.0)
     gateway = _status(mesh, tmp_path)
     members = gateway["processes"]
     assert isinstance(members, list) and len(members) == 2
