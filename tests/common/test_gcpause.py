@@ -37,7 +37,9 @@ def test_freeze_moves_startup_objects_out_of_collections(unfrozen: None) -> None
     del garbage  # a cycle: only the collector frees it
     survivor = _Cycle()
     frozen = gcpause.freeze_startup_heap("gc-test", "imports")
-    assert frozen == gc.get_freeze_count() > 0
+    # Frozen objects that die later leave the count (the log line's handlers may free a
+    # few an earlier test left behind), so the count now is at most what was frozen.
+    assert 0 < gc.get_freeze_count() <= frozen
     # What survived startup is no longer tracked in any generation; the cycle was collected
     # before the freeze, not frozen with the rest.
     assert not any(obj is survivor for obj in gc.get_objects())
