@@ -221,6 +221,11 @@ class PostprocessSession:
         if self.final is not None:
             return Step("")
         self.check(token_ids, field)
+        if not self.stops.stops and self.filter.mode is FilterMode.OFF:
+            # Nothing can end the stream or hold text back per token: the delta's text in
+            # one step (the same text, released as early, as token by token below).
+            self.tokens += len(token_ids)
+            return Step(self.skip.apply(self.detokenizer.add_each(token_ids)))
         out: list[str] = []
         for token in token_ids:
             self.tokens += 1

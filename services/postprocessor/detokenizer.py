@@ -27,7 +27,7 @@ keeps: one decode per token instead of two, the postprocessor's largest single c
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
 
@@ -88,6 +88,30 @@ class IncrementalDetokenizer:
         """Append tokens; return the text that is now safe to emit (may be empty)."""
         self.token_ids.extend(token_ids)
         return self._step(final=False)
+
+    def add_each(self, token_ids: Sequence[int]) -> str:
+        """The text that adding ``token_ids`` one at a time would release, in one step when
+        it can be: the run is decoded as a whole, and only if that leaves some of it held
+        back (an incomplete character, a byte run, text-less tokens) is it added again a
+        token at a time, so no text is released later than token by token would. A delta
+        of several tokens then costs one decode of the window, not one per token."""
+        count = len(token_ids)
+        if count == 1 or self.held_tokens + count > self.max_held_tokens:
+            # (Past the hold limit, where the held text is cut depends on the token.)
+            return "".join([self.add((token,)) for token in token_ids])
+        start = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        text = self._step(final=False)
+        if text:
+            # Tokens without text at the end stay held, as one at a time they would (so the
+            # hold limit counts the same tokens either way).
+            end = len(self.token_ids)
+            while end > start and self.token_ids[end - 1] in self.invisible_ids:
+                end -= 1
+            self.read_offset = end
+            return text
+        del self.token_ids[start:]  # _step released nothing, so it changed nothing else
+        return "".join([self.add((token,)) for token in token_ids])
 
     def flush(self) -> str:
         """The stream ended: emit whatever is held, incomplete characters included."""

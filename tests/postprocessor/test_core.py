@@ -266,3 +266,23 @@ def test_redaction_callback_reports_each_kind_once(tokenizers):
     _, final, _ = _run(core, SessionConfig(model=SMOL), ids)
     assert sorted(reported) == ["card", "card", "email", "phone"]
     assert final.redactions == 4
+
+
+@pytest.mark.parametrize("model", [SMOL, TINY])
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("skip", [0, 9])
+def test_a_plain_stream_releases_each_delta_as_token_by_token(tokenizers, model, chunk, skip):
+    """No stop strings and no filter (the mesh's default): a delta's text comes from one
+    step of the detokenizer, and is what token-by-token detokenizing releases for it, delta
+    by delta, with every token counted (skip_chars applied as ever)."""
+    core = PostprocessCore(tokenizers, default_filter_mode=FilterMode.OFF)
+    tok = core.models[model].tokenizer
+    ids = _ids(core, model, "Ledger 7 跳过 😀 balances; card 4111 1111 1111 1111. " * 3)
+    _, final, deltas = _run(core, SessionConfig(model=model, skip_chars=skip), ids, [chunk] * len(ids))
+    reference = core.open(SessionConfig(model=model)).detokenizer
+    expected = ["".join(reference.add([t]) for t in ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    expected.append(reference.flush())
+    assert "".join(deltas) == "".join(expected)[skip:] == tok.decode(ids)[skip:]
+    if not skip:
+        assert deltas == expected
+    assert final.completion_tokens == len(ids) and final.finish_reason == FinishReason.STOP

@@ -167,3 +167,60 @@ def test_one_token_at_a_time_decodes_once_per_token_with_a_shared_table(tokenize
     if text.isascii():  # every token a whole piece: one window decode per token, no more
         assert cold <= len(ids) + len(set(ids)) + 1
         assert warm <= len(ids) + 1
+
+
+def _each_property(model_name):
+    """``add_each`` releases, delta by delta, exactly what adding the delta's tokens one at
+    a time releases (same text, never later), over deltas of any size, hard tokens
+    included, up to and past the hold limit."""
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def check(tokenizers, data):
+        model = tokenizers[model_name]
+        token = st.one_of(st.integers(0, model.vocab_size - 1), st.sampled_from(_interesting_ids(model)))
+        ids = data.draw(st.lists(token, max_size=64), label="ids")
+        chunks = data.draw(st.lists(st.integers(1, 8), max_size=64), label="chunks")
+        skip = data.draw(st.booleans(), label="skip_special_tokens")
+        held = data.draw(st.sampled_from([4, 64]), label="max_held_tokens")
+        whole = IncrementalDetokenizer(model.tokenizer, skip_special_tokens=skip, max_held_tokens=held)
+        single = IncrementalDetokenizer(model.tokenizer, skip_special_tokens=skip, max_held_tokens=held)
+        pos = 0
+        out: list[str] = []
+        single_out: list[str] = []
+        for size in [*chunks, len(ids)]:
+            chunk = ids[pos:pos + size]
+            if not chunk:
+                break
+            released = whole.add_each(chunk)
+            single_out.append("".join(single.add([t]) for t in chunk))
+            assert released == single_out[-1], (pos, chunk)
+            assert whole.held_tokens == single.held_tokens, (pos, chunk)
+            out.append(released)
+            pos += size
+        text = "".join(out) + whole.flush()
+        assert text == "".join(single_out) + single.flush()
+        if held == 64:  # never passed here: nothing is cut, the text is the decode
+            assert text == model.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    return check
+
+
+test_add_each_releases_as_token_by_token_byte_level_bpe = _each_property(SMOL)
+test_add_each_releases_as_token_by_token_sentencepiece = _each_property(TINY)
+
+
+@pytest.mark.parametrize("name", [SMOL, TINY])
+def test_add_each_decodes_a_complete_delta_once(tokenizers, name):
+    model = tokenizers[name]
+    ids = model.tokenizer.encode("The ledger of branch 7 must balance, and stay balanced. " * 4,
+                                 add_special_tokens=False).ids
+    counted = _CountingTokenizer(model.tokenizer)
+    detok = IncrementalDetokenizer(
+        counted, byte_token_ids=byte_fallback_ids(model.tokenizer),  # type: ignore[arg-type]
+        special_token_ids=model.special_ids, token_texts={},
+    )
+    deltas = [ids[i:i + 4] for i in range(0, len(ids), 4)]
+    text = "".join(detok.add_each(delta) for delta in deltas) + detok.flush()
+    assert text == model.tokenizer.decode(ids)
+    # Two windows per delta (the text already out, then with the new tokens), not one per token.
+    assert counted.decodes <= 2 * len(deltas) + 1 < len(ids)
