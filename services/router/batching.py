@@ -359,16 +359,17 @@ class BatchDispatcher:
         answered = False
         loop = asyncio.get_running_loop()
         try:
-            async for handle, event in link.events():
+            async for events in link.events():
                 answered = True
                 self.heard_at = loop.time()
-                stream = self._by_handle.get(handle)
-                if stream is None:
-                    continue  # cancelled or aborted by us: late output is dropped
-                stream.submitted = None
-                stream.push(event)
-                if not isinstance(event, Delta):
-                    del self._by_handle[handle]
+                for handle, event in events:
+                    stream = self._by_handle.get(handle)
+                    if stream is None:
+                        continue  # cancelled or aborted by us: late output is dropped
+                    stream.submitted = None
+                    stream.push(event)
+                    if not isinstance(event, Delta):
+                        del self._by_handle[handle]
         except WorkerCallError as exc:
             error = exc
         except asyncio.CancelledError:

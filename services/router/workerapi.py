@@ -6,7 +6,7 @@ tests may substitute an in-process double.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,9 +69,10 @@ class WorkerSessionLink(Protocol):
         """Queue one message carrying these submissions and aborts (never blocks)."""
         ...
 
-    def events(self) -> AsyncIterator[tuple[int, WorkerEvent]]:
-        """(handle, delta / final / per-request error) as frames arrive; raises
-        WorkerCallError when the session itself breaks."""
+    def events(self) -> AsyncIterator[Iterable[tuple[int, WorkerEvent]]]:
+        """Each frame's (handle, delta / final / per-request error) as it arrives, one
+        iterable per frame (the reader takes a frame's requests in one go, not one wake-up
+        of an async iterator each); raises WorkerCallError when the session itself breaks."""
         ...
 
     async def close(self) -> None: ...

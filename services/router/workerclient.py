@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -163,13 +163,12 @@ class GrpcSessionLink:
         ))
         self._watcher = ""
 
-    async def events(self) -> AsyncIterator[tuple[int, WorkerEvent]]:
+    async def events(self) -> AsyncIterator[Iterable[tuple[int, WorkerEvent]]]:
         try:
             async for frame in self._call:
                 if self._on_load is not None and frame.HasField("load"):
                     self._on_load(load_from_proto(frame.load))
-                for event in frame_events(frame):
-                    yield event
+                yield frame_events(frame)
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 

@@ -212,7 +212,7 @@ class _ScriptedLink(_RecordingLink):
 
     async def events(self):  # type: ignore[no-untyped-def]
         while (item := await self.output.get()) is not None:
-            yield item
+            yield [item]  # one frame per item
 
     async def close(self) -> None:
         self.output.put_nowait(None)
