@@ -10,9 +10,7 @@ from gateway.types import (
     GenerateCall,
     PostConfig,
     PostFinal,
-    RouterFinal,
     Sampling,
-    ServedBy,
     StreamOptions,
     TextDelta,
     TokenGeneration,
@@ -101,19 +99,6 @@ def logprobs_to_public(items: Iterable[TokenLogprob]) -> list[inference_pb2.Toke
         )
         for i in items
     ]
-
-
-def router_final(msg: router_pb2.RouterFinal) -> RouterFinal:
-    f = msg.final
-    sb = msg.served_by
-    return RouterFinal(
-        finish_reason=generation_convert.finish_from_proto(f.finish_reason).value,
-        prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-        cached_tokens=f.cached_tokens, queue_ms=f.queue_ms, ttft_ms=f.ttft_ms,
-        served_by=ServedBy(worker_id=sb.worker_id, zone=sb.zone, device=sb.device,
-                           degraded=sb.degraded, resumed=sb.resumed),
-        retries=msg.retries,
-    )
 
 
 _UPSTREAM = {

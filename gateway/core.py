@@ -31,6 +31,8 @@ from gateway.types import (
     ChatTurn,
     Completion,
     Encoded,
+    Final,
+    FinishReason,
     GenerateCall,
     ModelMeta,
     PostConfig,
@@ -562,7 +564,7 @@ class _Stream:
                 if replay:
                     await session.send_tokens(replay)
                 if self.router_ended and self.router_final is not None:
-                    await session.send_end(self.router_final.finish_reason)
+                    await session.send_end(self.router_final.final.finish_reason.value)
             except TierUnavailable as exc:
                 self._postprocessor_failed(exc.message)
                 await self.post_failovers.pause()
@@ -695,7 +697,7 @@ class _Stream:
                     self.router_ended = True
                     if self.session is not None:
                         with contextlib.suppress(TierUnavailable):
-                            await self.session.send_end(event.finish_reason)
+                            await self.session.send_end(event.final.finish_reason.value)
         if not self.router_ended:
             raise TierUnavailable("router stream ended without a final message")
 
@@ -848,9 +850,10 @@ class _Stream:
         return delta
 
     def _completion(self, final: PostFinal) -> Completion:
-        router_final = self.router_final or RouterFinal(finish_reason="abort")
-        served_by = dataclasses.replace(router_final.served_by)
-        served_by.resumed = max(served_by.resumed, self.resumed)
+        router_final = self.router_final or RouterFinal(Final(FinishReason.ABORT))
+        served_by = router_final.served_by
+        if self.resumed > served_by.resumed:
+            served_by = dataclasses.replace(served_by, resumed=self.resumed)
         completion = Completion(
             request_id=self.generation.request_id,
             model=self.generation.model,
@@ -858,9 +861,9 @@ class _Stream:
             finish_reason=final.finish_reason,
             matched_stop=final.matched_stop,
             completion_tokens=final.completion_tokens or len(self.tokens),
-            cached_tokens=router_final.cached_tokens,
+            cached_tokens=router_final.final.cached_tokens,
             served_by=served_by,
-            timing=Timing(queue_ms=router_final.queue_ms),
+            timing=Timing(queue_ms=router_final.final.queue_ms),
         )
         if self.want_tokens:
             completion.token_ids = list(self.pending_ids)

@@ -43,7 +43,7 @@ from gateway.sessionlink import NoSession, ReplicaLinks, SessionLink
 from gateway.tiers import ROUTER_FIELD_PREFIXES, GrpcRouterTier, request_error
 from gateway.types import RouterDelta, RouterFinal, TokenGeneration
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
-from services.common import errors
+from services.common import errors, generation_convert
 from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
 
@@ -122,7 +122,7 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
                 ))
             offset = end
         for final in frame.finals:
-            self._finish(final.handle, convert.router_final(final.final))
+            self._finish(final.handle, generation_convert.router_final_from_proto(final.final))
         for failure in frame.errors:
             self._finish(failure.handle,
                          request_error(failure.error, tier="router", strip=ROUTER_FIELD_PREFIXES))

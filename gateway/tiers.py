@@ -27,7 +27,7 @@ from llmesh.common.v1 import common_pb2
 from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.common import errors
+from services.common import errors, generation_convert
 from services.common.channels import broken_link, create_channel
 from services.common.settings import TlsSettings
 
@@ -199,7 +199,7 @@ class GrpcRouterTier(_Replicas):
                 elif reply.HasField("final"):
                     # Keep reading until the router closes the stream, so the call (and
                     # its client span) ends normally rather than by cancellation.
-                    yield convert.router_final(reply.final)
+                    yield generation_convert.router_final_from_proto(reply.final)
         except grpc.aio.AioRpcError as err:
             raise domain_error(err, tier="router", strip=ROUTER_FIELD_PREFIXES) from None
         finally:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The one sampling type every tier shares, re-exported for the gateway's modules.
+# The types every tier shares, re-exported for the gateway's modules: the router's end of
+# a request and who served it come from services.common.generation like the router's own.
+from services.common.generation import Final as Final
+from services.common.generation import FinishReason as FinishReason
+from services.common.generation import RouterFinal as RouterFinal
+from services.common.generation import ServedBy as ServedBy
 from services.common.sampling import Sampling as Sampling
 
 
@@ -81,15 +86,6 @@ class TokenGeneration:
 
 
 @dataclass
-class ServedBy:
-    worker_id: str = ""
-    zone: str = ""
-    device: str = ""
-    degraded: bool = False
-    resumed: int = 0
-
-
-@dataclass
 class Timing:
     queue_ms: float = 0.0
     ttft_ms: float = 0.0
@@ -100,18 +96,6 @@ class Timing:
 class RouterDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class RouterFinal:
-    finish_reason: str  # stop, length, abort, error
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    queue_ms: float = 0.0
-    ttft_ms: float = 0.0
-    served_by: ServedBy = field(default_factory=ServedBy)
-    retries: int = 0
 
 
 @dataclass(frozen=True)

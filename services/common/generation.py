@@ -3,7 +3,8 @@
 The router and the worker pass token ids, not text; these types are what their cores
 work on. No grpc, no protobuf: :mod:`services.common.generation_convert` is the one
 converter to and from ``llmesh.common.v1`` (``TokenRequest``, ``TokenDelta``,
-``TokenFinal``), used by every servicer and client on that boundary.
+``TokenFinal``) and of the router's ``RouterFinal``, used by every servicer and client on
+those boundaries.
 """
 
 from __future__ import annotations
@@ -89,3 +90,14 @@ class ServedBy:
     """The zone is on the degraded rung of the ladder (a fallback)."""
     resumed: int = 0
     """Resumes of the request on the way, counting every tier's."""
+
+
+@dataclass(frozen=True)
+class RouterFinal:
+    """A request's end as a router reports it (router to gateway): the worker's final with
+    the router's counts and times over every attempt, who served it, and how many attempts
+    failed before its first token."""
+
+    final: Final
+    served_by: ServedBy = field(default_factory=ServedBy)
+    retries: int = 0

@@ -1,7 +1,9 @@
-"""Generation types <-> ``llmesh.common.v1`` messages: the one converter of that boundary.
+"""Generation types <-> ``llmesh.common.v1`` messages (and the router's ``RouterFinal``):
+the one converter of those boundaries.
 
 The worker's servicer, the router's worker client and the router's servicer read and
-write ``TokenRequest`` / ``TokenDelta`` / ``TokenFinal`` here and nowhere else, so the
+write ``TokenRequest`` / ``TokenDelta`` / ``TokenFinal`` here and nowhere else; the
+router writes its ``RouterFinal`` and the gateway reads it here too. So the
 cores on either side (:mod:`services.router.core`, :mod:`services.worker.core`) work on
 :mod:`services.common.generation` types only.
 """
@@ -12,7 +14,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from llmesh.common.v1 import common_pb2
-from services.common.generation import Delta, Final, FinishReason, TokenLogprob, TokenRequest
+from llmesh.router.v1 import router_pb2
+from services.common.generation import (
+    Delta,
+    Final,
+    FinishReason,
+    RouterFinal,
+    ServedBy,
+    TokenLogprob,
+    TokenRequest,
+)
 from services.common.sampling import ENGINE_FIELDS, Sampling
 from services.common.sampling_convert import sampling_from_message, sampling_to_message
 
@@ -115,4 +126,26 @@ def final_from_proto(final: common_pb2.TokenFinal) -> Final:
         queue_ms=final.queue_ms,
         ttft_ms=final.ttft_ms,
         total_ms=final.total_ms,
+    )
+
+
+def router_final_to_proto(event: RouterFinal) -> router_pb2.RouterFinal:
+    served = event.served_by
+    return router_pb2.RouterFinal(
+        final=final_to_proto(event.final),
+        served_by=router_pb2.ServedBy(
+            worker_id=served.worker_id, zone=served.zone, device=served.device,
+            degraded=served.degraded, resumed=served.resumed,
+        ),
+        retries=event.retries,
+    )
+
+
+def router_final_from_proto(msg: router_pb2.RouterFinal) -> RouterFinal:
+    served = msg.served_by
+    return RouterFinal(
+        final=final_from_proto(msg.final),
+        served_by=ServedBy(worker_id=served.worker_id, zone=served.zone, device=served.device,
+                           degraded=served.degraded, resumed=served.resumed),
+        retries=msg.retries,
     )

@@ -5,10 +5,10 @@ from __future__ import annotations
 from llmesh.router.v1 import router_pb2
 from services.common import generation_convert
 from services.common.errors import InvalidArgument, LlmeshError, request_error_to_proto
-from services.common.generation import Delta
+from services.common.generation import Delta, RouterFinal
 from services.common.generation_convert import logprobs_to_proto
 from services.router.breaker import Circuit
-from services.router.core import RouteRequest, RouterFinal
+from services.router.core import RouteRequest
 from services.router.registry import WorkerState
 from services.router.routing import ZoneLadder
 from services.router.session import Frame, Submission
@@ -32,19 +32,7 @@ def route_request_from_proto(message: router_pb2.GenerateRequest) -> RouteReques
 def response_to_proto(event: Delta | RouterFinal) -> router_pb2.GenerateResponse:
     if isinstance(event, Delta):
         return router_pb2.GenerateResponse(delta=generation_convert.delta_to_proto(event))
-    return router_pb2.GenerateResponse(final=final_to_proto(event))
-
-
-def final_to_proto(event: RouterFinal) -> router_pb2.RouterFinal:
-    served = event.served_by
-    return router_pb2.RouterFinal(
-        final=generation_convert.final_to_proto(event.final),
-        served_by=router_pb2.ServedBy(
-            worker_id=served.worker_id, zone=served.zone, device=served.device,
-            degraded=served.degraded, resumed=served.resumed,
-        ),
-        retries=event.retries,
-    )
+    return router_pb2.GenerateResponse(final=generation_convert.router_final_to_proto(event))
 
 
 def submission_from_proto(sub: router_pb2.SessionSubmit) -> Submission:
@@ -74,7 +62,7 @@ def frame_to_proto(frame: Frame) -> router_pb2.SessionResponse:
             for handle, t in frame.tokens.items() if t.logprobs
         ],
         finals=[
-            router_pb2.SessionFinal(handle=handle, final=final_to_proto(final))
+            router_pb2.SessionFinal(handle=handle, final=generation_convert.router_final_to_proto(final))
             for handle, final in frame.finals
         ],
         errors=[

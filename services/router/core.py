@@ -30,7 +30,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.common.generation import Delta, Final, FinishReason, ServedBy, TokenRequest
+from services.common.generation import Delta, Final, FinishReason, RouterFinal, ServedBy, TokenRequest
 from services.common.logs import request_id_var
 from services.common.retry import Step
 from services.router import metrics
@@ -58,16 +58,6 @@ class RouteRequest:
     resumed: int = 0
     tenant: str = ""
     """The caller's tenant (set by the gateway): admission limits each tenant's queue share."""
-
-
-@dataclass(frozen=True)
-class RouterFinal:
-    """The router's end of one request: the worker's final (counts and times over every
-    attempt), who served it and how many attempts failed before the first token."""
-
-    final: Final
-    served_by: ServedBy
-    retries: int
 
 
 @dataclass

@@ -30,9 +30,9 @@ from opentelemetry import propagate, trace
 
 from services.common import framing
 from services.common.errors import LlmeshError
-from services.common.generation import Delta
+from services.common.generation import Delta, RouterFinal
 from services.common.tracing import tracer
-from services.router.core import Router, RouteRequest, RouterFinal
+from services.router.core import Router, RouteRequest
 
 Submission = framing.Submission[RouteRequest | LlmeshError]
 """One request submitted to a session: the request, or why it could not even be read

@@ -1,10 +1,20 @@
-"""Wire contract of the one generation converter (domain <-> llmesh.common.v1)."""
+"""Wire contract of the one generation converter (domain <-> llmesh.common.v1, and the
+router's RouterFinal)."""
 
 from __future__ import annotations
 
 from llmesh.common.v1 import common_pb2
+from llmesh.router.v1 import router_pb2
 from services.common import generation_convert as gc
-from services.common.generation import Delta, Final, FinishReason, TokenLogprob, TokenRequest
+from services.common.generation import (
+    Delta,
+    Final,
+    FinishReason,
+    RouterFinal,
+    ServedBy,
+    TokenLogprob,
+    TokenRequest,
+)
 from services.common.sampling import Sampling
 
 
@@ -44,3 +54,18 @@ def test_every_finish_reason_has_a_wire_value_and_unspecified_reads_as_error() -
     for reason in FinishReason:
         assert gc.finish_from_proto(gc.FINISH_TO_PROTO[reason]) is reason
     assert gc.finish_from_proto(common_pb2.ENGINE_FINISH_REASON_UNSPECIFIED) is FinishReason.ERROR
+
+
+def test_router_final_round_trip_is_the_one_both_ends_use() -> None:
+    """The router writes and the gateway reads a RouterFinal with this one converter: every
+    field, the final's and who served it, comes back as it went."""
+    event = RouterFinal(
+        Final(FinishReason.LENGTH, stop_token_id=None, prompt_tokens=12, completion_tokens=34,
+              cached_tokens=8, queue_ms=1.5, ttft_ms=20.25, total_ms=300.5),
+        ServedBy(worker_id="w-1", zone="kunpeng", device="cpu", degraded=True, resumed=2),
+        retries=1,
+    )
+    message = gc.router_final_to_proto(event)
+    again = gc.router_final_from_proto(router_pb2.RouterFinal.FromString(message.SerializeToString()))
+    assert again == event
+    assert gc.router_final_from_proto(router_pb2.RouterFinal()) == RouterFinal(Final(FinishReason.ERROR))

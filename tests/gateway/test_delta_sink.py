@@ -13,6 +13,8 @@ from gateway.http import _WRITE_LIMIT, _SseWriter
 from gateway.tenants import Tenant
 from gateway.types import (
     Completion,
+    Final,
+    FinishReason,
     GenerateCall,
     RouterDelta,
     RouterFinal,
@@ -36,7 +38,7 @@ class _BurstRouter(_Router):
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
         yield RouterDelta(token_ids=[100 + n for n in range(MAX_TOKENS)])
         await asyncio.sleep(0.01)
-        yield RouterFinal(finish_reason="length", completion_tokens=MAX_TOKENS)
+        yield RouterFinal(Final(FinishReason.LENGTH, completion_tokens=MAX_TOKENS))
 
 
 class _Sink:

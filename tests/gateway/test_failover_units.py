@@ -16,6 +16,8 @@ from gateway.tenants import Tenant, TenantRegistry
 from gateway.types import (
     ChatTurn,
     Encoded,
+    Final,
+    FinishReason,
     GenerateCall,
     ModelMeta,
     PostConfig,
@@ -68,7 +70,7 @@ class _Router:
             yield RouterDelta(token_ids=[100 + n])
             await asyncio.sleep(0)
         if deliver is None:
-            yield RouterFinal(finish_reason="length", completion_tokens=MAX_TOKENS)
+            yield RouterFinal(Final(FinishReason.LENGTH, completion_tokens=MAX_TOKENS))
             return
         raise TierUnavailable(f"router replica {replica} went away")
 

@@ -23,6 +23,8 @@ from gateway.tiers import GrpcTokenizerTier
 from gateway.types import (
     ChatTurn,
     Encoded,
+    Final,
+    FinishReason,
     GenerateCall,
     ModelMeta,
     PostConfig,
@@ -111,7 +113,7 @@ class _Tiers:
                        on_delta: object = None) -> AsyncIterator[RouterDelta | RouterFinal]:
         self.log.append("router.generate")
         yield RouterDelta(token_ids=[7])
-        yield RouterFinal(finish_reason="length")
+        yield RouterFinal(Final(FinishReason.LENGTH))
 
     async def abort(self, replica: int, request_id: str) -> None:
         return None

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from gateway import sessionlink
 from gateway.core import TierUnavailable
 from gateway.routersession import SessionRouterTier
-from gateway.types import RouterDelta, RouterFinal, Sampling, TokenGeneration
+from gateway.types import FinishReason, RouterDelta, RouterFinal, Sampling, TokenGeneration
 from llmesh.common.v1 import common_pb2
 from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from services.common import errors
@@ -144,7 +144,7 @@ async def test_requests_of_one_tick_share_a_message_and_get_their_tokens(tier) -
         assert isinstance(delta, RouterDelta) and isinstance(final, RouterFinal)
         assert delta.token_ids[1:] == [100, 200]
         assert [lp.token_id for lp in delta.logprobs] == delta.token_ids
-        assert final.finish_reason == "length" and final.served_by.worker_id == "w"
+        assert final.final.finish_reason is FinishReason.LENGTH and final.served_by.worker_id == "w"
     assert len({events[0].token_ids[0] for events in results}) == 8  # one handle each
     # The next requests reuse the same call.
     await run(client, OK)
@@ -201,7 +201,7 @@ async def test_leaving_early_aborts_and_submissions_carry_deadline_and_trace(tie
 def _assert_ok(events: list[RouterDelta | RouterFinal]) -> None:
     delta, final = events
     assert isinstance(delta, RouterDelta) and delta.token_ids[1:] == [100, 200]
-    assert isinstance(final, RouterFinal) and final.finish_reason == "length"
+    assert isinstance(final, RouterFinal) and final.final.finish_reason is FinishReason.LENGTH
 
 
 async def test_a_router_without_session_gets_generate_calls_until_it_is_asked_again(  # type: ignore[no-untyped-def]
