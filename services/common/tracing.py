@@ -117,7 +117,7 @@ class _LeanTracer(trace.Tracer):
             flags = parent.trace_flags & _RANDOM_TRACE_ID
         else:
             trace_id = ids.generate_trace_id()
-            flags = _RANDOM_TRACE_ID if ids.is_trace_id_random() else 0
+            flags = _RANDOM_TRACE_ID if _RANDOM_TRACE_ID and ids.is_trace_id_random() else 0
         decision = provider.sampler.should_sample(context, trace_id, name, kind, attributes, links)
         if decision.decision.is_sampled():
             flags |= trace.TraceFlags.SAMPLED
