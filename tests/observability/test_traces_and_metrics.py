@@ -173,6 +173,67 @@ def _sum(samples: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+class _OnlyWorkersExport(Mesh):
+    """A mesh whose workers export spans and whose other tiers have no exporter."""
+
+    def _env(self, tier: str) -> dict[str, str]:
+        env = super()._env(tier)
+        if tier != "worker":
+            env["OTEL_TRACES_EXPORTER"] = "none"
+        return env
+
+
+@pytest.fixture(scope="module")
+def worker_traced_mesh(receiver, tiny_deepseek_dir: Path, tmp_path_factory) -> Iterator[Mesh]:
+    _, port = receiver
+    config = MeshConfig(
+        model=str(tiny_deepseek_dir),
+        gateway={"port": free_port(), "http_port": free_port(), "settings": {"drain_seconds": 0}},
+        router=RouterConfig(zones=["zone-a"]),
+        workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 2})],
+        otel=OtelConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}"),
+    )
+    os.environ["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+    mesh = _OnlyWorkersExport(config, log_dir=tmp_path_factory.mktemp("worker-traced-mesh"))
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+async def test_tiers_without_an_exporter_pass_the_clients_trace_on(receiver, worker_traced_mesh):
+    """The gateway, tokenizer, router and postprocessor record nothing without an exporter
+    (services/common/tracing.py LeanTracerProvider), yet the trace they pass on is the
+    client's: the worker, which exports, records its span in the client's trace, under a
+    span id the router gave it (not recorded anywhere), with the client's sampled flag."""
+    rec, _ = receiver
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    async with grpc.aio.insecure_channel(_address(worker_traced_mesh)) as channel:
+        async for _ in stub(channel).GenerateStream(
+            stream_request(prompt="trace me", sampling={"max_tokens": 8}),
+            metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),),
+        ):
+            pass
+    deadline = time.monotonic() + 20
+    mine: list[dict[str, object]] = []
+    while time.monotonic() < deadline and not mine:
+        with rec.lock:
+            mine = [s for s in rec.spans if s["trace_id"] == trace_id]
+        await asyncio.sleep(0.2)
+    assert mine, "the worker recorded no span in the client's trace"
+    await asyncio.sleep(1.0)  # anything else of this trace would be exported by now
+    with rec.lock:
+        mine = [s for s in rec.spans if s["trace_id"] == trace_id]
+    assert {s["service"] for s in mine} == {"llmesh-worker"}, mine
+    generate = [s for s in mine if s["name"] == "llmesh.worker/Session.generate"]
+    assert generate, mine
+    for span in generate:
+        # Its parent is the router's span: unrecorded, but a span id of its own.
+        assert span["parent"] not in ("", client_span, "0" * 16)
+        assert span["parent"] not in {s["span_id"] for s in mine}
+
+
 async def test_http_requests_continue_the_clients_trace(receiver, traced_mesh):
     """The OpenAI-compatible surface continues a traceparent header like the gRPC API."""
     import json
