@@ -65,23 +65,29 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
     server.stop(0)
 
 
-@pytest.fixture(scope="module")
-def traced_mesh(receiver, tiny_deepseek_dir: Path, tmp_path_factory) -> Iterator[Mesh]:
+def _running_mesh(receiver: tuple[Receiver, int], model_dir: Path, log_dir: Path,
+                  mesh_type: type[Mesh] = Mesh) -> Iterator[Mesh]:
+    """A fake-engine mesh whose processes export their spans to ``receiver``."""
     _, port = receiver
     config = MeshConfig(
-        model=str(tiny_deepseek_dir),
+        model=str(model_dir),
         gateway={"port": free_port(), "http_port": free_port(), "settings": {"drain_seconds": 0}},
         router=RouterConfig(zones=["zone-a"]),
         workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 2})],
         otel=OtelConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}"),
     )
     os.environ["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
-    mesh = Mesh(config, log_dir=tmp_path_factory.mktemp("traced-mesh"))
+    mesh = mesh_type(config, log_dir=log_dir)
     try:
         mesh.start()
         yield mesh
     finally:
         mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def traced_mesh(receiver, tiny_deepseek_dir: Path, tmp_path_factory) -> Iterator[Mesh]:
+    yield from _running_mesh(receiver, tiny_deepseek_dir, tmp_path_factory.mktemp("traced-mesh"))
 
 
 def _address(mesh: Mesh) -> str:
@@ -185,21 +191,8 @@ class _OnlyWorkersExport(Mesh):
 
 @pytest.fixture(scope="module")
 def worker_traced_mesh(receiver, tiny_deepseek_dir: Path, tmp_path_factory) -> Iterator[Mesh]:
-    _, port = receiver
-    config = MeshConfig(
-        model=str(tiny_deepseek_dir),
-        gateway={"port": free_port(), "http_port": free_port(), "settings": {"drain_seconds": 0}},
-        router=RouterConfig(zones=["zone-a"]),
-        workers=[WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 2})],
-        otel=OtelConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{port}"),
-    )
-    os.environ["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
-    mesh = _OnlyWorkersExport(config, log_dir=tmp_path_factory.mktemp("worker-traced-mesh"))
-    try:
-        mesh.start()
-        yield mesh
-    finally:
-        mesh.stop()
+    yield from _running_mesh(receiver, tiny_deepseek_dir, tmp_path_factory.mktemp("worker-traced-mesh"),
+                             _OnlyWorkersExport)
 
 
 async def test_tiers_without_an_exporter_pass_the_clients_trace_on(receiver, worker_traced_mesh):
