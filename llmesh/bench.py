@@ -66,6 +66,7 @@ from services.common.modelinfo import engine_dtype
 DEFAULT_LEVELS = (1, 8, 32)
 QUICK_REQUESTS_PER_STREAM = 2
 QUICK_MIN_REQUESTS = 8
+QUICK_PAIRED_REQUESTS = 24
 
 
 def router_worker_transport() -> str:
@@ -105,6 +106,10 @@ class BenchOptions:
     stream_interval: int = 1
     stream_max_delay_ms: int = 0
     gateway_processes: int = 1
+    paired_requests: int = 48
+    """Prompts of the paired TTFT phase (each sent to llmesh and to the reference)."""
+    paired_tokens: int = 8
+    """max_tokens of each request of the paired TTFT phase."""
     capacity_idle_s: float = 5.0
     """Seconds the capacity mesh is measured idle (warmed up, no load) before the load."""
     capacity_protocol: str = "grpc"
@@ -331,6 +336,65 @@ def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any
                    command=" ".join(reference_argv(opts, 0)).replace(" --port 0", ""))
 
 
+# --------------------------------------------------------------------------- paired TTFT
+
+
+@contextlib.contextmanager
+def _llmesh_for_pairs(opts: BenchOptions, args: argparse.Namespace) -> Iterator[Any]:
+    """A driver of the running llmesh (``--target``/``--target-http``) or of a mesh started here."""
+    if args.target or args.target_http:
+        http_url = args.target_http or (_read_state(args.mesh_state) or {}).get("http", "")
+        yield _llmesh_driver(opts, args.target or "", http_url)
+        return
+    config = _engine_mesh_config(opts)
+    print("llmesh bench: starting the llmesh mesh for the paired TTFT phase", file=sys.stderr)
+    with _started_mesh(config, opts.log_dir / "paired-llmesh") as mesh:
+        yield _llmesh_driver(opts, f"{config.gateway.host}:{config.gateway.port}", mesh.state()["http"])
+
+
+@contextlib.contextmanager
+def _reference_for_pairs(opts: BenchOptions, args: argparse.Namespace) -> Iterator[Any]:
+    if args.reference_url:
+        yield OpenAIHttpDriver(args.reference_url, opts.model_name)
+        return
+    print("llmesh bench: starting the reference vllm server beside it", file=sys.stderr)
+    with _started_reference(opts) as (url, _pid):
+        yield OpenAIHttpDriver(url, opts.model_name)
+
+
+def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
+    """The time to first token llmesh adds at one stream, measured in pairs.
+
+    llmesh and the reference are up at the same time (their engines bound to the same
+    cores; only one request runs at any moment, so only one engine steps). Every prompt goes
+    to both, one after the other, the order alternating, and the figure is the median of
+    the per-prompt differences. Run one after the other, as the levels are, the two
+    systems' TTFT P50 each carry the engine's and the machine's drift of that minute; in
+    pairs the drift falls on both alike.
+    """
+    spec = WorkloadSpec(prompt_words=opts.workload.prompt_words,
+                        output_tokens=(opts.paired_tokens, opts.paired_tokens))
+    warmup = 3
+    requests = make_workload(opts.paired_requests + warmup, seed=opts.seed + 7171, spec=spec)
+    with (_llmesh_for_pairs(opts, args) as mine, _reference_for_pairs(opts, args) as reference,
+          _bar(opts, "   paired TTFT (interleaved)", 1) as bar):
+        levels = asyncio.run(interleaved({"llmesh": mine, "reference": reference}, requests, warmup=warmup))
+        bar.update()
+    diffs = paired_differences_ms(levels, "llmesh", "reference")
+    return {
+        "requests": opts.paired_requests,
+        "output_tokens_per_request": opts.paired_tokens,
+        "pairs": len(diffs),
+        "llmesh": _path_figures(levels["llmesh"]),
+        "reference": _path_figures(levels["reference"]),
+        "added_ttft_ms": {q: round(percentile(diffs, p), 3) for q, p in (("p25", 25), ("p50", 50),
+                                                                          ("p75", 75))},
+        "note": "one request at a time; each prompt sent to llmesh and to the reference in turn, the "
+                "order alternating; added_ttft_ms: percentiles of the per-prompt differences "
+                "(llmesh minus reference)",
+    }
+
+
 # --------------------------------------------------------------------------- overhead
 
 
@@ -453,10 +517,15 @@ async def interleaved(drivers: dict[str, Any], requests: Sequence[BenchRequest],
     return {name: LevelResult(1, results[name], duration) for name in names}
 
 
+def paired_differences_ms(levels: dict[str, LevelResult], path: str, base: str) -> list[float]:
+    """``path``'s TTFT minus ``base``'s for each request both answered, in ms."""
+    return [(a.ttft_s - b.ttft_s) * 1000.0 for a, b in zip(levels[path].results, levels[base].results,
+                                                          strict=True) if a.ok and b.ok]
+
+
 def paired_added_ms(levels: dict[str, LevelResult], path: str, base: str) -> float:
     """Median over requests of ``path``'s TTFT minus ``base``'s for the same request."""
-    pairs = [(a.ttft_s - b.ttft_s) * 1000.0 for a, b in zip(levels[path].results, levels[base].results,
-                                                               strict=True) if a.ok and b.ok]
+    pairs = paired_differences_ms(levels, path, base)
     return statistics.median(pairs) if pairs else float("nan")
 
 
@@ -694,6 +763,16 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     try:
@@ -738,6 +817,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-reference", action="store_true", help="do not run the vllm serve phase")
     g.add_argument("--skip-overhead", action="store_true", help="do not measure router+gateway overhead")
     g.add_argument("--skip-batching", action="store_true", help="do not compare batching window on/off")
+    g.add_argument("--skip-paired-ttft", action="store_true",
+                   help="do not measure the added TTFT in pairs (llmesh and the reference up at once)")
     e = p.add_argument_group("engine settings (both systems)")
     e.add_argument("--max-num-seqs", type=int, default=32, help="vLLM max_num_seqs")
     e.add_argument("--max-model-len", type=int, default=2048, help="vLLM max_model_len")
@@ -754,6 +835,12 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("overhead and batching phases")
     o.add_argument("--overhead-requests", type=int, default=200,
                    help="sequential requests per path (each request goes down every path in turn)")
+    o.add_argument("--paired-ttft-requests", type=_positive, default=48,
+                   help="prompts of the paired TTFT phase: llmesh and the reference up at once, one "
+                   "request at a time, each prompt sent to both in turn (the order alternating); the "
+                   f"added TTFT is the median of the differences ({QUICK_PAIRED_REQUESTS} with --quick)")
+    o.add_argument("--paired-ttft-tokens", type=_positive, default=8,
+                   help="max_tokens of each request of the paired TTFT phase")
     o.add_argument("--batching-concurrency", type=_levels, default=(1, 32),
                    help="levels of the batching phase")
     o.add_argument("--batching-wait-ms", type=float, default=5.0, help="router batch_max_wait_ms when on")
@@ -820,6 +907,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         log_dir=out_dir / "logs",
         progress=not args.no_progress,
         overhead_requests=min(args.overhead_requests, 60) if quick else args.overhead_requests,
+        paired_requests=(min(args.paired_ttft_requests, QUICK_PAIRED_REQUESTS) if quick
+                         else args.paired_ttft_requests),
+        paired_tokens=args.paired_ttft_tokens,
         batching_levels=args.batching_concurrency,
         batching_wait_ms=args.batching_wait_ms,
         fake_token_delay_ms=args.fake_token_delay_ms,
@@ -875,6 +965,7 @@ def main(argv: list[str] | None = None) -> int:
             report["capacity"] = run_capacity(opts)
         if args.capacity:
             args.skip_llmesh = args.skip_reference = args.skip_overhead = args.skip_batching = True
+            args.skip_paired_ttft = True
         if not args.skip_llmesh:
             report["systems"]["llmesh"] = run_llmesh(opts, args)
         if not args.skip_reference:
@@ -882,6 +973,8 @@ def main(argv: list[str] | None = None) -> int:
         if "llmesh" in report["systems"] and "reference" in report["systems"]:
             report["ratios"] = ratios(report["systems"]["llmesh"]["levels"],
                                       report["systems"]["reference"]["levels"])
+        if not (args.skip_llmesh or args.skip_reference or args.skip_paired_ttft):
+            report["paired_ttft"] = run_paired_ttft(opts, args)
         if not args.skip_overhead:
             report["overhead"] = run_overhead(opts)
         if not args.skip_batching:

@@ -227,6 +227,16 @@ def text_summary(report: Mapping[str, Any]) -> str:
             parts.append(f"- added {key}: {_fmt(value, 2)} ms")
         for key, value in overhead.get("added_paired_ms", {}).items():
             parts.append(f"- added {key}, paired (median of per-request differences): {_fmt(value, 2)} ms")
+    paired = report.get("paired_ttft")
+    if paired:
+        added = paired["added_ttft_ms"]
+        parts += ["", f"Added TTFT at one stream, paired ({paired['pairs']} prompts, each sent to llmesh and "
+                  "to the reference in turn, both up at once, "
+                  f"{paired['output_tokens_per_request']} tokens each): P50 {_fmt(added['p50'], 2)} ms "
+                  f"(P25 {_fmt(added['p25'], 2)}, P75 {_fmt(added['p75'], 2)}); TTFT P50 llmesh "
+                  f"{_fmt(paired['llmesh']['ttft_ms']['p50'], 2)} ms, reference "
+                  f"{_fmt(paired['reference']['ttft_ms']['p50'], 2)} ms; errors "
+                  f"{paired['llmesh']['errors']} and {paired['reference']['errors']}"]
     capacity = report.get("capacity")
     if capacity:
         parts += ["", f"Capacity, {capacity['engine']} engine, worker transport "

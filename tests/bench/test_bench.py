@@ -88,9 +88,11 @@ def _check_level(level: dict[str, Any], concurrency: int, tiers: set[str]) -> No
     assert level["cpu_s_per_1k_tokens"]["total"] >= 0
 
 
-def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_path: Path) -> None:
+def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     argv = [*_common_args(bench_mesh, tmp_path), "--reference-url", stub.url,
-            "--reference-pid", str(os.getpid()), "--skip-overhead", "--skip-batching"]
+            "--reference-pid", str(os.getpid()), "--skip-overhead", "--skip-batching",
+            "--paired-ttft-requests", "5", "--paired-ttft-tokens", "3"]
     assert bench.main(argv) == 0
     report = _report(tmp_path)
     assert set(report["systems"]) == {"llmesh", "reference"}
@@ -102,12 +104,25 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
         if name == "llmesh":
             assert sum(lv["cpu_s_per_1k_tokens"]["total"] for lv in levels) > 0
     # Both systems got the very same requests (like for like).
-    assert len(stub.requests) == 2 + 4 + 4  # warm-up + two levels
+    assert len(stub.requests) == 2 + 4 + 4 + 3 + 5  # warm-up, two levels, the paired phase's 3 + 5
     spec = WorkloadSpec((4, 8), (6, 12))
     # Level c uses seed 1000 * --seed + c (--seed defaults to 0).
-    assert {r["prompt"] for r in stub.requests[2:]} == {
+    assert {r["prompt"] for r in stub.requests[2:10]} == {
         r.prompt for c in (1, 4) for r in make_workload(4, seed=c, spec=spec)
     }
+    # The paired phase: its own prompts, one at a time, each also sent to the mesh.
+    paired_spec = WorkloadSpec((4, 8), (3, 3))
+    assert [r["prompt"] for r in stub.requests[10:]] == [
+        r.prompt for r in make_workload(3 + 5, seed=7171, spec=paired_spec)]
+    assert all(r["max_tokens"] == 3 for r in stub.requests[10:])
+    paired = report["paired_ttft"]
+    assert paired["pairs"] == paired["requests"] == 5 and paired["output_tokens_per_request"] == 3
+    for side in ("llmesh", "reference"):
+        assert paired[side]["requests"] == 5 and paired[side]["errors"] == 0, paired[side]["error_samples"]
+    added = paired["added_ttft_ms"]
+    assert all(math.isfinite(v) for v in added.values())
+    assert added["p25"] <= added["p50"] <= added["p75"]
+    assert "Added TTFT at one stream, paired (5 prompts" in capsys.readouterr().out
     rows = report["ratios"]
     assert [r["concurrency"] for r in rows] == [1, 4]
     for row in rows:
@@ -164,11 +179,13 @@ def test_failed_requests_are_counted(bench_mesh: Mesh, tmp_path: Path) -> None:
 
 
 def test_bad_arguments_exit_with_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--concurrency", "0"], ["--concurrency", "a,b"], ["--output-tokens", "9-3"]):
+    for argv in (["--concurrency", "0"], ["--concurrency", "a,b"], ["--output-tokens", "9-3"],
+                 ["--paired-ttft-requests", "0"], ["--paired-ttft-tokens", "x"]):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2
-    assert "--concurrency" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--concurrency" in err and "--paired-ttft-requests: must be >= 1, got 0" in err
 
 
 def test_grpc_protocol_needs_a_grpc_target(tmp_path: Path) -> None:
