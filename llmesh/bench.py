@@ -67,6 +67,8 @@ DEFAULT_LEVELS = (1, 8, 32)
 QUICK_REQUESTS_PER_STREAM = 2
 QUICK_MIN_REQUESTS = 8
 QUICK_PAIRED_REQUESTS = 24
+PAIRED_GAP_S = 1.25
+"""Default pause before each request of the paired TTFT phase (see :func:`run_paired_ttft`)."""
 
 
 def router_worker_transport() -> str:
@@ -110,6 +112,8 @@ class BenchOptions:
     """Prompts of the paired TTFT phase (each sent to llmesh and to the reference)."""
     paired_tokens: int = 8
     """max_tokens of each request of the paired TTFT phase."""
+    paired_gap_s: float = PAIRED_GAP_S
+    """Pause before each request of the paired TTFT phase."""
     capacity_idle_s: float = 5.0
     """Seconds the capacity mesh is measured idle (warmed up, no load) before the load."""
     capacity_protocol: str = "grpc"
@@ -371,6 +375,12 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
     the per-prompt differences. Run one after the other, as the levels are, the two
     systems' TTFT P50 each carry the engine's and the machine's drift of that minute; in
     pairs the drift falls on both alike.
+
+    Every request starts after a pause (``--paired-ttft-gap-s``, :data:`PAIRED_GAP_S`): a vLLM engine's worker
+    process busy-polls its shared-memory queue for a second after its last step (vLLM's
+    ``SpinCondition.busy_loop_s``), on the cores the other system's engine then steps on;
+    back to back, the second request of a pair ran up to ten times slower, whichever
+    system it went to.
     """
     spec = WorkloadSpec(prompt_words=opts.workload.prompt_words,
                         output_tokens=(opts.paired_tokens, opts.paired_tokens))
@@ -378,7 +388,8 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
     requests = make_workload(opts.paired_requests + warmup, seed=opts.seed + 7171, spec=spec)
     with (_llmesh_for_pairs(opts, args) as mine, _reference_for_pairs(opts, args) as reference,
           _bar(opts, "   paired TTFT (interleaved)", 1) as bar):
-        levels = asyncio.run(interleaved({"llmesh": mine, "reference": reference}, requests, warmup=warmup))
+        levels = asyncio.run(interleaved({"llmesh": mine, "reference": reference}, requests, warmup=warmup,
+                                         gap_s=opts.paired_gap_s))
         bar.update()
     diffs = paired_differences_ms(levels, "llmesh", "reference")
     return {
@@ -389,9 +400,10 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
         "reference": _path_figures(levels["reference"]),
         "added_ttft_ms": {q: round(percentile(diffs, p), 3) for q, p in (("p25", 25), ("p50", 50),
                                                                           ("p75", 75))},
-        "note": "one request at a time; each prompt sent to llmesh and to the reference in turn, the "
-                "order alternating; added_ttft_ms: percentiles of the per-prompt differences "
-                "(llmesh minus reference)",
+        "gap_s": opts.paired_gap_s,
+        "note": "one request at a time, each after a pause of gap_s; each prompt sent to llmesh and to "
+                "the reference in turn, the order alternating; added_ttft_ms: percentiles of the "
+                "per-prompt differences (llmesh minus reference)",
     }
 
 
@@ -495,11 +507,12 @@ class _TokenPathDriver:
 
 
 async def interleaved(drivers: dict[str, Any], requests: Sequence[BenchRequest],
-                      warmup: int = 5) -> dict[str, LevelResult]:
+                      warmup: int = 5, gap_s: float = 0.0) -> dict[str, LevelResult]:
     """Sequential requests on every path, each request sent down each path in turn (the
     order rotating from one request to the next), so a burst of background load falls on
     all paths alike: on a shared machine the differences between paths (the added
-    figures) then hold still, where one path after the other they moved by several ms."""
+    figures) then hold still, where one path after the other they moved by several ms.
+    ``gap_s``: a pause before every measured request."""
     names = list(drivers)
     async with contextlib.AsyncExitStack() as stack:
         for driver in drivers.values():
@@ -512,6 +525,8 @@ async def interleaved(drivers: dict[str, Any], requests: Sequence[BenchRequest],
         for i, req in enumerate(requests[warmup:]):
             turn = i % len(names)
             for name in names[turn:] + names[:turn]:
+                if gap_s:
+                    await asyncio.sleep(gap_s)
                 results[name].append(await drivers[name](req))
         duration = time.perf_counter() - start
     return {name: LevelResult(1, results[name], duration) for name in names}
@@ -841,6 +856,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"added TTFT is the median of the differences ({QUICK_PAIRED_REQUESTS} with --quick)")
     o.add_argument("--paired-ttft-tokens", type=_positive, default=8,
                    help="max_tokens of each request of the paired TTFT phase")
+    o.add_argument("--paired-ttft-gap-s", type=float, default=PAIRED_GAP_S,
+                   help="pause before each request of the paired TTFT phase (a vLLM engine's worker "
+                   "busy-polls for a second after its last step, on the cores the other engine uses)")
     o.add_argument("--batching-concurrency", type=_levels, default=(1, 32),
                    help="levels of the batching phase")
     o.add_argument("--batching-wait-ms", type=float, default=5.0, help="router batch_max_wait_ms when on")
@@ -910,6 +928,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         paired_requests=(min(args.paired_ttft_requests, QUICK_PAIRED_REQUESTS) if quick
                          else args.paired_ttft_requests),
         paired_tokens=args.paired_ttft_tokens,
+        paired_gap_s=max(0.0, args.paired_ttft_gap_s),
         batching_levels=args.batching_concurrency,
         batching_wait_ms=args.batching_wait_ms,
         fake_token_delay_ms=args.fake_token_delay_ms,

@@ -92,7 +92,7 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
                                        capsys: pytest.CaptureFixture[str]) -> None:
     argv = [*_common_args(bench_mesh, tmp_path), "--reference-url", stub.url,
             "--reference-pid", str(os.getpid()), "--skip-overhead", "--skip-batching",
-            "--paired-ttft-requests", "5", "--paired-ttft-tokens", "3"]
+            "--paired-ttft-requests", "5", "--paired-ttft-tokens", "3", "--paired-ttft-gap-s", "0.05"]
     assert bench.main(argv) == 0
     report = _report(tmp_path)
     assert set(report["systems"]) == {"llmesh", "reference"}
@@ -117,6 +117,7 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
     assert all(r["max_tokens"] == 3 for r in stub.requests[10:])
     paired = report["paired_ttft"]
     assert paired["pairs"] == paired["requests"] == 5 and paired["output_tokens_per_request"] == 3
+    assert paired["gap_s"] == 0.05
     for side in ("llmesh", "reference"):
         assert paired[side]["requests"] == 5 and paired[side]["errors"] == 0, paired[side]["error_samples"]
     added = paired["added_ttft_ms"]
