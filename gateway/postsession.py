@@ -28,8 +28,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from opentelemetry import propagate
-
 from gateway import convert
 from gateway.core import PostSession, TierUnavailable
 from gateway.sessionlink import NoSession, ReplicaLinks, SessionLink
@@ -39,6 +37,7 @@ from llmesh.postprocess.v1 import postprocess_pb2, postprocess_pb2_grpc
 from services.common import errors
 from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
+from services.common.tracing import current_traceparent
 
 SESSION_METHOD = "/llmesh.postprocess.v1.PostprocessService/Session"
 
@@ -214,10 +213,9 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
         handle = self._allocate()
         request = SessionPost(self, handle, deadline, open_call)
         self.requests[handle] = request
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)  # the current span: the gateway's span of this request
         self._pending.opens.append(postprocess_pb2.SessionOpen(
-            handle=handle, config=convert.process_config(config), traceparent=carrier.get("traceparent", ""),
+            handle=handle, config=convert.process_config(config),
+            traceparent=current_traceparent(),  # the gateway's span of this request
         ))
         self._schedule()
         return request

@@ -36,8 +36,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
-from opentelemetry import propagate
-
 from gateway import convert
 from gateway.sessionlink import NoSession, ReplicaLinks, SessionLink
 from gateway.tiers import ROUTER_FIELD_PREFIXES, GrpcRouterTier, request_error
@@ -46,6 +44,7 @@ from llmesh.router.v1 import router_pb2, router_pb2_grpc
 from services.common import errors, generation_convert
 from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
+from services.common.tracing import current_traceparent
 
 SESSION_METHOD = "/llmesh.router.v1.RouterService/Session"
 
@@ -178,10 +177,8 @@ class SessionRouterTier(GrpcRouterTier):
         """One request over the replica's Session call; raises :class:`NoSession` when the
         replica turns out to have none."""
         message = convert.router_generate_request(request, resume_token_ids, resumed)
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)  # the current span of this request
         link = self.link(replica)
-        handle, queue = link.submit(message, timeout, carrier.get("traceparent", ""))
+        handle, queue = link.submit(message, timeout, current_traceparent())  # this request's span
         queue.on_delta = on_delta
         # The router enforces the deadline (and answers DEADLINE_EXCEEDED); this timer is
         # the guard for a router that stops answering without breaking the call.

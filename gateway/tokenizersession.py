@@ -22,14 +22,13 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from opentelemetry import propagate
-
 from gateway.sessionlink import NoSession, ReplicaLinks, SessionLink
 from gateway.tiers import TOKENIZER_FIELD_PREFIXES, GrpcTokenizerTier, request_error
 from llmesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import errors
 from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
+from services.common.tracing import current_traceparent
 
 SESSION_METHOD = "/llmesh.tokenizer.v1.TokenizerService/Session"
 
@@ -108,10 +107,9 @@ class SessionTokenizerTier(GrpcTokenizerTier):
 
     async def _over_session(self, replica: int, encode_input: tokenizer_pb2.EncodeInput,
                             timeout: float | None) -> tokenizer_pb2.EncodeResult:
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)  # the gateway's span of this request's tokenize step
         link = self.links.current(replica)
-        handle, waiting = link.encode(encode_input, carrier.get("traceparent", ""))
+        # The gateway's span of this request's tokenize step.
+        handle, waiting = link.encode(encode_input, current_traceparent())
         timer = None
         if timeout is not None and math.isfinite(timeout):
             timer = asyncio.get_running_loop().call_later(

@@ -170,6 +170,18 @@ def tracer(name: str = "llmesh") -> trace.Tracer:
     return made
 
 
+def current_traceparent() -> str:
+    """The current span's W3C ``traceparent``, "" when there is none: the header the
+    trace-context propagator writes, for session frames that carry only this header.
+    Straight from the span context, where ``propagate.inject`` runs the whole propagator
+    chain (trace context, baggage) into a dict: 1.5 against 2.8 µs per call (timeit), asked
+    once per request by each session hop."""
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+
+
 UNTRACED_METHODS = ("GetLoad", "WatchLoad", "Session")
 """RPCs that get no span of their own. Load polls run several times a second per worker
 for as long as the mesh runs: a span each would cost both ends more CPU than the poll

@@ -23,11 +23,10 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
-from opentelemetry import propagate
-
 from services.common.generation import Delta, Final, TokenRequest
 from services.common.logs import request_id_var
 from services.common.retry import SESSION_RETRY_S
+from services.common.tracing import current_traceparent
 from services.router.registry import Load
 from services.router.workerapi import (
     SessionSubmit,
@@ -222,9 +221,7 @@ class BatchDispatcher:
         """Queue ``request`` (``deadline`` is a ``time.monotonic()`` instant or None)."""
         stream = AttemptStream(request.request_id, self)
         if self.session:
-            carrier: dict[str, str] = {}
-            propagate.inject(carrier)
-            stream.traceparent = carrier.get("traceparent", "")
+            stream.traceparent = current_traceparent()
         self._live = {s for s in self._live if not s.done and not s.cancelled}
         self._live.add(stream)
         self.window.observe(self._pressure())

@@ -115,3 +115,20 @@ def test_setup_installs_the_lean_provider(monkeypatch: pytest.MonkeyPatch) -> No
     assert isinstance(installed[1], tracing.LeanTracerProvider) and installed[1].exporting
     for provider in installed:
         provider.shutdown()  # type: ignore[attr-defined]
+
+
+def test_current_traceparent_is_the_header_the_propagator_writes() -> None:
+    """Session frames carry ``current_traceparent()`` where they carried the trace-context
+    propagator's header: equal for recorded and unrecorded spans, sampled or not, under a
+    remote parent or as a root, and "" (no header) outside any span."""
+    for provider in (tracing.LeanTracerProvider(), TracerProvider(),
+                     tracing.LeanTracerProvider(sampler=ALWAYS_OFF)):
+        tracer = provider.get_tracer("t")
+        for parent in (_remote("00"), _remote("01"), None):
+            with tracer.start_as_current_span("s", context=parent):  # type: ignore[arg-type]
+                carrier: dict[str, str] = {}
+                propagate.inject(carrier)
+                assert tracing.current_traceparent() == carrier["traceparent"]
+    empty: dict[str, str] = {}
+    propagate.inject(empty)
+    assert "traceparent" not in empty and tracing.current_traceparent() == ""
