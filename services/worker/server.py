@@ -176,7 +176,8 @@ def default_engine_factory(settings: WorkerSettings, device: str) -> EngineFacto
             cpu_omp_threads_bind=settings.cpu_omp_threads_bind,
         )
         loras = parse_lora_modules(settings.lora_modules)
-        return VllmEngine.build(engine_args(settings, device), loras=loras)
+        return VllmEngine.build(engine_args(settings, device), loras=loras,
+                                vllm_metrics=settings.vllm_metrics)
     return make_vllm
 
 

@@ -113,6 +113,12 @@ class WorkerSettings(ServerSettings):
     scheduling_policy: str = "fcfs"
     """vLLM scheduling_policy: fcfs, or priority (then a request's priority orders the engine's
     queue, higher first as in llmesh.v1)."""
+    vllm_metrics: bool = False
+    """vLLM's own Prometheus metrics (``vllm:*``) on this worker's /metrics, beside llmesh's.
+    Off by default: vLLM's logger observes its histograms for every output token on every
+    engine step (the largest item of the worker's own CPU per step under load, measured in
+    docs/benchmarks.md), and the worker's ``llmesh_worker_*`` metrics already carry the
+    engine's running and waiting requests, KV cache use, prefix cache hits, TTFT and tokens."""
     cpu_kvcache_space_gb: float | None = None
     """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE before the engine starts)."""
     cpu_omp_threads_bind: str = ""

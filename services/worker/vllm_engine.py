@@ -52,7 +52,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 from vllm.v1.engine.output_processor import OutputProcessorOutput
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,34 @@ class _LatestStatsLogger(StatLoggerBase):
                 h.prefix_hits += int(prefix.hits)
 
     def log_engine_initialized(self) -> None:
+        pass
+
+
+class NoPrometheusStatLogger(PrometheusStatLogger):
+    """Stands in for vLLM's Prometheus logger, which registers no metrics and records nothing.
+
+    vLLM's ``StatLoggerManager`` adds its ``PrometheusStatLogger`` to every ``AsyncLLM``
+    unless one of the given loggers is a class derived from it; this is that class, built
+    without the parent's constructor (which registers the ``vllm:*`` metrics in the
+    process's registry). Pinned by ``tests/worker/test_vllm_steps.py``."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = engine_indexes or [0]
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        pass
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
         pass
 
 
@@ -162,10 +190,15 @@ class VllmEngine:
         )
 
     @classmethod
-    def build(cls, engine_args: Mapping[str, Any], *, loras: list[LoraModule] | None = None) -> VllmEngine:
-        """Start AsyncLLM (spawns the engine-core process; blocks ~20-40 s on CPU)."""
+    def build(cls, engine_args: Mapping[str, Any], *, loras: list[LoraModule] | None = None,
+              vllm_metrics: bool = False) -> VllmEngine:
+        """Start AsyncLLM (spawns the engine-core process; blocks ~20-40 s on CPU).
+        ``vllm_metrics``: vLLM's own Prometheus logger too (see WorkerSettings.vllm_metrics)."""
         stats = SchedulerStatsHolder()
-        llm = AsyncLLM.from_engine_args(async_engine_args(engine_args), stat_loggers=[stats.factory])
+        loggers: list[Any] = [stats.factory]
+        if not vllm_metrics:
+            loggers.append(NoPrometheusStatLogger)
+        llm = AsyncLLM.from_engine_args(async_engine_args(engine_args), stat_loggers=loggers)
         # vLLM's frontend reads an environment variable for every output token (its iteration
         # stats check VLLM_COMPUTE_NANS_IN_LOGITS: two os.getenv calls) unless vLLM's env
         # cache is on, which vLLM turns on in its own engine processes but not in the

@@ -39,6 +39,7 @@ pytest.importorskip("vllm.v1.engine.async_llm")
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import output_processor as vllm_output_processor
+from vllm.v1.metrics import loggers as vllm_loggers
 
 from services.worker import vllm_engine
 from services.worker.vllm_engine import VllmEngine, check_vllm_internals
@@ -430,12 +431,61 @@ async def test_stop_token_ids(counted: Counted) -> None:
 
 
 @pytest.mark.engine
-async def test_cached_tokens(smollm2_dir: Path) -> None:
-    """On SmolLM2: vLLM's CPU build turns prefix caching off for MLA models (the tiny DeepSeek)."""
+async def test_vllms_prometheus_logger_is_left_out_by_default(counted: Counted) -> None:
+    """The worker's default: vLLM's Prometheus logger (histograms observed per output
+    token per step) is not there, the worker's own scheduler-stats logger is, and the
+    load it reports still follows the engine."""
+    manager = counted.engine.llm.logger_manager
+    assert manager is not None, "no stat loggers: the worker's load reports would stop"
+    kinds = [type(logger) for logger in manager.stat_loggers]
+    assert vllm_engine.NoPrometheusStatLogger in kinds
+    assert vllm_loggers.PrometheusStatLogger not in kinds, kinds
+    recorder = Recorder(counted.calls)
+    await counted.engine.start(greedy("no-prom", PROMPTS[0], 48), recorder)
+    await asyncio.wait_for(recorder.first.wait(), 120)
+    assert counted.engine.load().scheduler_running >= 1
+    await recorder.wait()
+    await wait_engine_idle(counted.engine)
+
+
+def test_vllm_metrics_setting_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vllm_metrics`` decides whether vLLM's own Prometheus logger is kept: the no-op
+    stand-in goes in only when it is off (as by default)."""
+    from services.worker.server import default_engine_factory
+    from services.worker.settings import WorkerSettings
+
+    seen: list[list[Any]] = []
+
+    def from_engine_args(args: Any, stat_loggers: list[Any]) -> Any:
+        seen.append(stat_loggers)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(vllm_engine.AsyncLLM, "from_engine_args", from_engine_args)
+    monkeypatch.setattr(vllm_engine, "configure_device_environment", lambda *a, **k: None)
+    for enabled in (False, True):
+        settings = WorkerSettings(model="/nonexistent", engine="vllm", vllm_metrics=enabled)
+        with pytest.raises(RuntimeError, match="stop here"):
+            default_engine_factory(settings, "cpu")()
+    assert WorkerSettings(model="/m").vllm_metrics is False
+    off, on = seen
+    assert vllm_engine.NoPrometheusStatLogger in off and len(off) == 2
+    assert vllm_engine.NoPrometheusStatLogger not in on and len(on) == 1
+
+
+@pytest.mark.engine
+async def test_cached_tokens_and_vllms_own_metrics_when_asked(smollm2_dir: Path) -> None:
+    """On SmolLM2: vLLM's CPU build turns prefix caching off for MLA models (the tiny DeepSeek).
+    This engine is built with ``vllm_metrics``: vLLM's Prometheus logger is kept and counts."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
     engine = VllmEngine.build({"model": str(smollm2_dir), "tokenizer": str(smollm2_dir),
                                "enforce_eager": True, "max_num_seqs": 4, "max_model_len": 512,
-                               "enable_prefix_caching": True})
+                               "enable_prefix_caching": True}, vllm_metrics=True)
     try:
+        manager = engine.llm.logger_manager
+        assert manager is not None
+        assert vllm_loggers.PrometheusStatLogger in [type(logger) for logger in manager.stat_loggers]
         counted = Counted(engine)
         prompt = [(7 * i) % 3000 + 10 for i in range(300)]  # blocks of 128 tokens on CPU
         (first,) = await via_start(counted, [greedy("cache-1", prompt, 2)])
@@ -445,8 +495,12 @@ async def test_cached_tokens(smollm2_dir: Path) -> None:
         assert first.last.cached_tokens == 0 and first.last.prompt_tokens == 300
         assert 0 < again.last.cached_tokens < 300
         assert again.last.cached_tokens == generated[-1].cached_tokens
+        generated_tokens = REGISTRY.get_sample_value(
+            "vllm:generation_tokens_total", {"model_name": str(smollm2_dir), "engine": "0"})
+        assert generated_tokens is not None and generated_tokens >= 6
     finally:
         await engine.shutdown()
+        unregister_vllm_metrics()  # the process's registry as the other tests expect it
 
 
 @pytest.mark.engine
