@@ -200,7 +200,8 @@ def test_help_documents_the_phases(capsys: pytest.CaptureFixture[str]) -> None:
         bench.main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--quick", "--target", "--reference-url", "--llmesh-protocol", "--concurrency", "--out"):
+    for flag in ("--quick", "--target", "--reference-url", "--llmesh-protocol", "--concurrency", "--out",
+                 "--skip-paired-ttft", "--paired-ttft-requests", "--paired-ttft-gap-s"):
         assert flag in text
 
 
