@@ -223,25 +223,47 @@ def _llmesh_driver(opts: BenchOptions, grpc_target: str, http_url: str) -> Any:
 def run_llmesh(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
     """Drive an existing mesh (``--target``/``--target-http``) or start one for the run."""
     label = f"llmesh ({opts.protocol})"
-    if args.target or args.target_http:
-        state = _read_state(args.mesh_state)
-        http_url = args.target_http or (state or {}).get("http", "")
+    with _llmesh_target(opts, args, "llmesh") as mine:
+        state = mine.state
         cpu = CpuMeter(_mesh_cpu_groups(state["processes"]), engine_groups=("worker",)) if state else None
         if cpu is None:
             print("llmesh bench: no mesh state file, so no CPU figures for llmesh", file=sys.stderr)
-        driver = _llmesh_driver(opts, args.target or "", http_url)
-        levels = asyncio.run(_drive_levels(opts, "llmesh", driver, cpu, opts.levels))
-        return _system(label, levels, target=args.target or http_url, started_by_bench=False)
-    config = _engine_mesh_config(opts)
-    print("llmesh bench: starting the llmesh mesh", file=sys.stderr)
-    with _started_mesh(config, opts.log_dir / "llmesh") as mesh:
-        state = mesh.state()
-        cpu = CpuMeter(_mesh_cpu_groups(state["processes"]), engine_groups=("worker",))
-        grpc_target = f"{config.gateway.host}:{config.gateway.port}"
-        driver = _llmesh_driver(opts, grpc_target, state["http"])
-        levels = asyncio.run(_drive_levels(opts, "llmesh", driver, cpu, opts.levels))
-    return _system(label, levels, target=grpc_target, started_by_bench=True,
+        levels = asyncio.run(_drive_levels(opts, "llmesh", mine.driver, cpu, opts.levels))
+    if not mine.started:
+        return _system(label, levels, target=mine.target, started_by_bench=False)
+    assert state is not None
+    return _system(label, levels, target=mine.target, started_by_bench=True,
                    processes=sorted({p["tier"] for p in state["processes"]}))
+
+
+@dataclass
+class _LlmeshTarget:
+    driver: Any
+    target: str
+    """The address the report names: the gateway's gRPC address, or the HTTP URL driven."""
+    state: dict[str, Any] | None
+    """The mesh's state (its processes' pids), when known."""
+    started: bool
+    """Started by the bench (else a running mesh named by --target/--target-http)."""
+
+
+@contextlib.contextmanager
+def _llmesh_target(opts: BenchOptions, args: argparse.Namespace, log_name: str) -> Iterator[_LlmeshTarget]:
+    """The running llmesh (``--target``/``--target-http``) or a mesh started here for the
+    phase (its logs under ``<out>/logs/<log_name>``), with a driver for it."""
+    if args.target or args.target_http:
+        state = _read_state(args.mesh_state)
+        http_url = args.target_http or (state or {}).get("http", "")
+        yield _LlmeshTarget(_llmesh_driver(opts, args.target or "", http_url), args.target or http_url,
+                            state, started=False)
+        return
+    config = _engine_mesh_config(opts)
+    print(f"llmesh bench: starting the llmesh mesh ({log_name})", file=sys.stderr)
+    with _started_mesh(config, opts.log_dir / log_name) as mesh:
+        state = mesh.state()
+        grpc_target = f"{config.gateway.host}:{config.gateway.port}"
+        yield _LlmeshTarget(_llmesh_driver(opts, grpc_target, state["http"]), grpc_target, state,
+                            started=True)
 
 
 def _read_state(path: str | None) -> dict[str, Any] | None:
@@ -344,19 +366,6 @@ def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any
 
 
 @contextlib.contextmanager
-def _llmesh_for_pairs(opts: BenchOptions, args: argparse.Namespace) -> Iterator[Any]:
-    """A driver of the running llmesh (``--target``/``--target-http``) or of a mesh started here."""
-    if args.target or args.target_http:
-        http_url = args.target_http or (_read_state(args.mesh_state) or {}).get("http", "")
-        yield _llmesh_driver(opts, args.target or "", http_url)
-        return
-    config = _engine_mesh_config(opts)
-    print("llmesh bench: starting the llmesh mesh for the paired TTFT phase", file=sys.stderr)
-    with _started_mesh(config, opts.log_dir / "paired-llmesh") as mesh:
-        yield _llmesh_driver(opts, f"{config.gateway.host}:{config.gateway.port}", mesh.state()["http"])
-
-
-@contextlib.contextmanager
 def _reference_for_pairs(opts: BenchOptions, args: argparse.Namespace) -> Iterator[Any]:
     if args.reference_url:
         yield OpenAIHttpDriver(args.reference_url, opts.model_name)
@@ -386,10 +395,10 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
                         output_tokens=(opts.paired_tokens, opts.paired_tokens))
     warmup = 3
     requests = make_workload(opts.paired_requests + warmup, seed=opts.seed + 7171, spec=spec)
-    with (_llmesh_for_pairs(opts, args) as mine, _reference_for_pairs(opts, args) as reference,
+    with (_llmesh_target(opts, args, "paired-llmesh") as mine, _reference_for_pairs(opts, args) as reference,
           _bar(opts, "   paired TTFT (interleaved)", 1) as bar):
-        levels = asyncio.run(interleaved({"llmesh": mine, "reference": reference}, requests, warmup=warmup,
-                                         gap_s=opts.paired_gap_s))
+        levels = asyncio.run(interleaved({"llmesh": mine.driver, "reference": reference}, requests,
+                                         warmup=warmup, gap_s=opts.paired_gap_s))
         bar.update()
     diffs = paired_differences_ms(levels, "llmesh", "reference")
     return {
