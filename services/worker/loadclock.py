@@ -14,6 +14,14 @@ the interval; the router asks for its silent-worker limit less an interval): a C
 whose steps take a little longer than the interval (32 streams of SmolLM2 on two cores:
 about 170 ms against the router's 150) otherwise made the watch report between every two
 steps, a wake-up of both processes per step for a load the next frame carries anyway.
+
+A frame that comes too soon after a report to carry the load (within half an interval)
+also moves the next report to the silence after that report: frames flow, and the next
+one carries the load. Without it, steps a little longer than the interval locked in step
+with the reports: each report fired just before a step, its frame came too soon to carry
+the load, and the next report was due an interval later, again just before the next step
+(a report, two wake-ups, per step, until the phase drifted out; every longer step, such
+as a prefill, started it again).
 """
 
 from __future__ import annotations
@@ -32,10 +40,18 @@ class LoadClock:
         self._due = asyncio.Event()
         self._due.set()  # a new watch reports at once
         self._timer: asyncio.TimerHandle | None = None
+        self._waits_silence = False
+        """Whether the next report waits the silence (not the interval) after ``sent_at``."""
 
     def frame_due(self, now: float) -> bool:
-        """Whether a frame sent at ``now`` should carry the load."""
-        return now - self.sent_at >= self.interval_s / 2
+        """Whether a frame sent at ``now`` should carry the load. One that should not (the
+        load went less than half an interval ago, on a report) moves the next report to
+        the silence after that report."""
+        if now - self.sent_at >= self.interval_s / 2:
+            return True
+        if not self._waits_silence and self.silence_s > self.interval_s:
+            self._arm(self.sent_at + self.silence_s, waits_silence=True)
+        return False
 
     def sent(self, now: float, *, on_frame: bool = False) -> None:
         """The load went to the router at loop time ``now``, on a report or (``on_frame``)
@@ -43,10 +59,13 @@ class LoadClock:
         silence), unless a frame carries the load first."""
         self.sent_at = now
         self._due.clear()
+        self._arm(now + (self.silence_s if on_frame else self.interval_s), waits_silence=on_frame)
+
+    def _arm(self, at: float, *, waits_silence: bool) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        wait = self.silence_s if on_frame else self.interval_s
-        self._timer = asyncio.get_running_loop().call_at(now + wait, self._due.set)
+        self._timer = asyncio.get_running_loop().call_at(at, self._due.set)
+        self._waits_silence = waits_silence
 
     async def wait_report(self) -> None:
         """Until a report is due (no load went for an interval)."""

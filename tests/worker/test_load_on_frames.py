@@ -49,6 +49,31 @@ async def test_after_a_frame_the_report_waits_the_silence_and_after_a_report_the
     assert LoadClock(0.1, 0.02).silence_s == 0.1
 
 
+async def test_a_frame_too_soon_after_a_report_moves_the_next_report_to_the_silence() -> None:
+    """Steps a little longer than the interval: the frame after a report comes too soon
+    to carry the load. The next report then waits the silence after that report (the next
+    frame carries the load), not the interval, which put a report before every step."""
+    loop = asyncio.get_running_loop()
+    clock = LoadClock(0.1, 0.3)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    start = loop.time()
+    clock.sent(start)  # a report
+    assert not clock.frame_due(start + 0.01)  # a step's frame right after it
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(clock.wait_report(), 0.2)  # was due at 0.1
+    assert clock.frame_due(loop.time())  # the next step's frame carries the load
+    await asyncio.wait_for(clock.wait_report(), 1)  # no frame: the report comes at the silence
+    assert loop.time() - start >= 0.3
+    clock.close()
+    # Without a silence longer than the interval, a report an interval after the last.
+    clock = LoadClock(0.1)
+    clock.sent(start := loop.time())
+    assert not clock.frame_due(start + 0.01)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert loop.time() - start < 0.25
+    clock.close()
+
+
 async def _reports(call: object, at: list[float], first: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     async for _ in call:  # type: ignore[attr-defined]
@@ -111,10 +136,8 @@ async def test_frames_of_another_router_or_an_unnamed_session_carry_no_load(
 
 
 async def _reports_during_frames(worker: RunningWorker, name: str, silence_ms: int) -> tuple[int, int]:
-    """(reports while the frames of a 10-step request flowed, from its third frame on,
-    frames that carried the load) for a watch of ``interval_ms`` 100 named ``name``. Before
-    the third frame the watch's first report can still be followed by one an interval later
-    (the first frame may come too soon after that report to carry the load)."""
+    """(reports while the frames of a 10-step request flowed, from its first frame on,
+    frames that carried the load) for a watch of ``interval_ms`` 100 named ``name``."""
     loop = asyncio.get_running_loop()
     reports: list[float] = []
     watch = worker.stub.WatchLoad(worker_pb2.WatchLoadRequest(interval_ms=100, watcher=name,
@@ -130,7 +153,7 @@ async def _reports_during_frames(worker: RunningWorker, name: str, silence_ms: i
         async for frame in worker.stub.Session(iter([first]), timeout=30):
             frames_at.append(loop.time())
             loaded += frame.HasField("load")
-        return len([t for t in reports if frames_at[2] < t < frames_at[-1]]), loaded
+        return len([t for t in reports if frames_at[0] < t < frames_at[-1]]), loaded
     finally:
         reader.cancel()
         watch.cancel()
