@@ -57,6 +57,7 @@ from llmesh.bench_load import (
     RequestResult,
     WorkloadSpec,
     make_workload,
+    median_interval,
     percentile,
     run_level,
 )
@@ -401,6 +402,7 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
                                          warmup=warmup, gap_s=opts.paired_gap_s))
         bar.update()
     diffs = paired_differences_ms(levels, "llmesh", "reference")
+    interval = median_interval(diffs)
     return {
         "requests": opts.paired_requests,
         "output_tokens_per_request": opts.paired_tokens,
@@ -409,10 +411,13 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
         "reference": _path_figures(levels["reference"]),
         "added_ttft_ms": {q: round(percentile(diffs, p), 3) for q, p in (("p25", 25), ("p50", 50),
                                                                           ("p75", 75))},
+        "p50_interval_ms": [round(v, 3) for v in interval] if interval is not None else None,
+        "differences_ms": [round(d, 3) for d in diffs],
         "gap_s": opts.paired_gap_s,
         "note": "one request at a time, each after a pause of gap_s; each prompt sent to llmesh and to "
                 "the reference in turn, the order alternating; added_ttft_ms: percentiles of the "
-                "per-prompt differences (llmesh minus reference)",
+                "per-prompt differences (llmesh minus reference); p50_interval_ms: a 95 % interval for "
+                "their median (order statistics; null below 6 pairs); differences_ms: each pair's",
     }
 
 

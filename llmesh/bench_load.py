@@ -310,6 +310,28 @@ def percentile(values: Sequence[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of the population ``values`` were drawn
+    from: the order statistics x(j) and x(n-j+1), j the largest rank with P(B <= j-1) <=
+    (1 - confidence)/2 for B ~ Binomial(n, 1/2) (each value falls below the median with
+    probability one half). It covers the median with at least ``confidence``, whatever
+    the distribution; None when there are too few values for any such pair (fewer than 6
+    at 95 %). NaNs are left out."""
+    data = sorted(v for v in values if not math.isnan(v))
+    n = len(data)
+    tail = (1.0 - confidence) / 2.0
+    below = 0.0  # P(B <= j - 1), summed as j grows
+    j = 0
+    while j < n // 2:
+        below += math.comb(n, j) / 2.0**n
+        if below > tail:
+            break
+        j += 1
+    if j == 0:
+        return None
+    return data[j - 1], data[n - j]
+
+
 def _ms(values: Sequence[float]) -> dict[str, float]:
     return {
         "p50": _round(percentile(values, 50) * 1000.0),

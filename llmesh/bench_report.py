@@ -167,6 +167,14 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def _interval(bounds: Sequence[float] | None) -> str:
+    """``[lo, hi] ms``, or "n/a" (too few pairs, or a report from before the interval)."""
+    if not bounds:
+        return "n/a"
+    lo, hi = bounds
+    return f"{_fmt(float(lo), 2)} to {_fmt(float(hi), 2)} ms"
+
+
 def level_table(report: Mapping[str, Any]) -> str:
     """Markdown table: one row per system and concurrency, then the ratios."""
     rows = ["| system | streams | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors | CPU s/1k tok |",
@@ -233,7 +241,8 @@ def text_summary(report: Mapping[str, Any]) -> str:
         parts += ["", f"Added TTFT at one stream, paired ({paired['pairs']} prompts, each sent to llmesh and "
                   "to the reference in turn, both up at once, "
                   f"{paired['output_tokens_per_request']} tokens each): P50 {_fmt(added['p50'], 2)} ms "
-                  f"(P25 {_fmt(added['p25'], 2)}, P75 {_fmt(added['p75'], 2)}); TTFT P50 llmesh "
+                  f"(P25 {_fmt(added['p25'], 2)}, P75 {_fmt(added['p75'], 2)}; 95 % interval of the "
+                  f"median {_interval(paired.get('p50_interval_ms'))}); TTFT P50 llmesh "
                   f"{_fmt(paired['llmesh']['ttft_ms']['p50'], 2)} ms, reference "
                   f"{_fmt(paired['reference']['ttft_ms']['p50'], 2)} ms; errors "
                   f"{paired['llmesh']['errors']} and {paired['reference']['errors']}"]

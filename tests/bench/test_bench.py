@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from llmesh import bench
-from llmesh.bench_load import WorkloadSpec, make_workload, percentile
+from llmesh.bench_load import WorkloadSpec, make_workload, median_interval, percentile
 from llmesh.bench_report import RATIO_FIGURES, ratio, ratios
 from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
 from llmesh.procs import free_port
@@ -123,7 +123,13 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
     added = paired["added_ttft_ms"]
     assert all(math.isfinite(v) for v in added.values())
     assert added["p25"] <= added["p50"] <= added["p75"]
-    assert "Added TTFT at one stream, paired (5 prompts" in capsys.readouterr().out
+    # Each pair's difference is kept; five pairs are too few for a 95 % interval.
+    assert len(paired["differences_ms"]) == 5
+    assert percentile(paired["differences_ms"], 50) == pytest.approx(added["p50"], abs=0.002)
+    assert paired["p50_interval_ms"] is None
+    out = capsys.readouterr().out
+    assert "Added TTFT at one stream, paired (5 prompts" in out
+    assert "95 % interval of the median n/a" in out
     rows = report["ratios"]
     assert [r["concurrency"] for r in rows] == [1, 4]
     for row in rows:
@@ -243,6 +249,24 @@ def test_cpu_meter_counts_engine_children_apart() -> None:
             kid.kill()
         proc.kill()
         proc.wait()
+
+
+def test_median_interval_is_the_order_statistics_binomial_tails_allow() -> None:
+    # n = 10: P(B <= 1) = 11/1024 <= 0.025 < P(B <= 2) = 56/1024, so x(2) and x(9).
+    values = [float(v) for v in (7, 3, 9, 1, 5, 10, 2, 8, 4, 6)]
+    assert median_interval(values) == (2.0, 9.0)
+    # n = 6 is the smallest with an interval at 95 % (1/64 <= 0.025 < 1/32): min and max.
+    assert median_interval([4.0, 1.0, 6.0, 2.0, 5.0, 3.0]) == (1.0, 6.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert median_interval([]) is None
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0, math.nan]) is None  # NaNs left out
+    # n = 96: ranks 38 and 59 (P(B <= 37) = 0.0158 <= 0.025 < P(B <= 38) = 0.0260).
+    interval = median_interval([float(i) for i in range(1, 97)])
+    assert interval == (38.0, 59.0)
+    lo, hi = interval
+    # A lower confidence narrows it.
+    narrow = median_interval([float(i) for i in range(1, 97)], confidence=0.5)
+    assert narrow is not None and lo < narrow[0] <= narrow[1] < hi
 
 
 def test_percentile_and_ratio() -> None:
