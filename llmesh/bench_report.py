@@ -168,7 +168,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def _interval(bounds: Sequence[float] | None) -> str:
-    """``[lo, hi] ms``, or "n/a" (too few pairs, or a report from before the interval)."""
+    """``lo to hi ms``, or "n/a" (too few pairs, or a report from before the interval)."""
     if not bounds:
         return "n/a"
     lo, hi = bounds
