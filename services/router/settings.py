@@ -78,8 +78,9 @@ class RouterSettings(ServerSettings):
     """Tokenizer tier address; its ListModels supplies expected tokenizer checksums."""
     load_interval_ms: int = 150
     """Milliseconds between the load reports each worker streams (WatchLoad); after a
-    session frame carried the load, the next report waits load_timeout_ms less this (at
-    least this), so steps a little longer than the interval need no report between them."""
+    session frame carried the load, or after a report of an idle worker, the next report
+    waits load_timeout_ms less this (at least this), so steps a little longer than the
+    interval need no report between them and an idle worker reports less often."""
     load_timeout_ms: int = 400
     """A worker whose latest load report is older than this is marked unreachable (a
     missed poll); another one is counted after every further load_timeout_ms of silence."""

@@ -78,6 +78,12 @@ class LoadReport:
     in_flight: int
     max_num_seqs: int
 
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nothing in the engine: the load stays as it is until a
+        request comes."""
+        return not self.in_flight and not self.engine.running and not self.engine.waiting
+
 
 ABORTED_ID_WAIT_S = 2.0
 """How long a request waits for an aborted one under the same id to leave the engine."""
@@ -233,6 +239,8 @@ class EngineRun:
         if self.aborted:
             self._finish(EngineOutput([], finish_reason=FinishReason.ABORT))
             return
+        if not core._in_flight and core.on_busy is not None:
+            core.on_busy()
         core._in_flight[rid] = self
         self._registered = True
         metrics.IN_FLIGHT.set(len(core._in_flight))
@@ -347,6 +355,9 @@ class WorkerCore:
         self._canary_seq = 0
         self._tokens_produced = 0
         """Tokens the engine produced for callers; a busy engine proves it is not wedged."""
+        self.on_busy: Callable[[], None] | None = None
+        """Called when a request comes to a worker with none in flight (the load watches'
+        clocks: an idle worker's reports wait longer, services/worker/loadclock.py)."""
 
     # -- requests ---------------------------------------------------------------------
     @property

@@ -22,6 +22,14 @@ with the reports: each report fired just before a step, its frame came too soon 
 the load, and the next report was due an interval later, again just before the next step
 (a report, two wake-ups, per step, until the phase drifted out; every longer step, such
 as a prefill, started it again).
+
+An idle worker's load (nothing in flight, nothing running or waiting in the engine) does
+not change until a request comes, so after a report of it the next one also waits the
+silence: on an idle mesh each report was a wake-up of the worker and of the router (about
+0.35 ms of CPU each on the measured machines, 6.7 a second at the router's 150 ms). The
+router hears often enough to tell a live worker from a stopped one, as after a frame; a
+request arriving (:meth:`LoadClocks.busy`) brings the next report back to an interval after
+the last, so no watcher waits longer than before for a load that did change.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class LoadClock:
         self._timer: asyncio.TimerHandle | None = None
         self._waits_silence = False
         """Whether the next report waits the silence (not the interval) after ``sent_at``."""
+        self._idle = False
+        """Whether the last report was of an idle worker (and so waits the silence)."""
 
     def frame_due(self, now: float) -> bool:
         """Whether a frame sent at ``now`` should carry the load. One that should not (the
@@ -53,13 +63,22 @@ class LoadClock:
             self._arm(self.sent_at + self.silence_s, waits_silence=True)
         return False
 
-    def sent(self, now: float, *, on_frame: bool = False) -> None:
+    def sent(self, now: float, *, on_frame: bool = False, idle: bool = False) -> None:
         """The load went to the router at loop time ``now``, on a report or (``on_frame``)
-        on a frame: the next report is due an interval later (after a frame, the
-        silence), unless a frame carries the load first."""
+        on a frame: the next report is due an interval later (after a frame, or a report
+        of an ``idle`` worker, the silence), unless a frame carries the load first."""
         self.sent_at = now
         self._due.clear()
-        self._arm(now + (self.silence_s if on_frame else self.interval_s), waits_silence=on_frame)
+        quiet = on_frame or idle
+        self._idle = idle and not on_frame
+        self._arm(now + (self.silence_s if quiet else self.interval_s), waits_silence=quiet)
+
+    def busy(self) -> None:
+        """A request arrived: if the last report was of an idle worker, the next one is due
+        an interval after it (at once if that passed), not the silence."""
+        if self._idle and self._waits_silence and not self._due.is_set():
+            self._idle = False
+            self._arm(self.sent_at + self.interval_s, waits_silence=False)
 
     def _arm(self, at: float, *, waits_silence: bool) -> None:
         if self._timer is not None:
@@ -98,3 +117,8 @@ class LoadClocks:
 
     def get(self, watcher: str) -> LoadClock | None:
         return self._clocks.get(watcher) if watcher else None
+
+    def busy(self) -> None:
+        """A request arrived at an idle worker: see :meth:`LoadClock.busy`."""
+        for clock in self._clocks.values():
+            clock.busy()

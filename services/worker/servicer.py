@@ -24,13 +24,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin: every rule lives in :class:`WorkerCore`; errors map in the shared interceptor."""
 
     def __init__(self, core: WorkerCore | None = None) -> None:
-        self.maybe_core = core
         self.load_clocks = LoadClocks()
         """The open load watches that named their router (see services/worker/loadclock.py)."""
+        self.maybe_core: WorkerCore | None = None
+        if core is not None:
+            self.attach(core)
 
     def attach(self, core: WorkerCore) -> None:
         """Set the core once the engine is built (the server answers health before that)."""
         self.maybe_core = core
+        core.on_busy = self.load_clocks.busy
 
     @property
     def core(self) -> WorkerCore:
@@ -150,8 +153,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             while True:
                 await clock.wait_report()
-                clock.sent(loop.time())
-                yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(self.core.load()))
+                load = self.core.load()
+                clock.sent(loop.time(), idle=load.idle)
+                yield worker_pb2.WatchLoadResponse(load=convert.load_to_proto(load))
         finally:
             self.load_clocks.close(watcher, clock)  # an unnamed one was never registered
 

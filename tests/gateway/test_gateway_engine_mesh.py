@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -57,6 +58,51 @@ async def test_every_session_hop_runs_over_frames_real_engine(engine_channel, en
     assert called["router"] & served["worker"], (served, called)
     logs = "".join(p.read_text(errors="replace") for p in engine_mesh.log_dir.glob("*.log"))
     assert "has no framed Session listener" not in logs
+
+
+async def test_an_idle_real_worker_reports_at_the_silence_and_at_the_interval_while_busy(
+    engine_channel, engine_mesh
+):
+    """The vLLM engine's load (capped by what its frontend still tracks) reads idle between
+    requests: a named watch then hears at its silence; a request through the gateway brings
+    the reports back to the interval, with the engine's running request in them."""
+    loop = asyncio.get_running_loop()
+    async with grpc.aio.insecure_channel(_worker_address(engine_mesh)) as channel:
+        worker = worker_pb2_grpc.WorkerServiceStub(channel)
+        watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(
+            interval_ms=100, watcher="test-idle-watch", silence_ms=250))
+        reports: list[tuple[float, worker_pb2.Load]] = []
+
+        async def read(count: int) -> None:
+            async for report in watch:
+                reports.append((loop.time(), report.load))
+                if len(reports) >= count:
+                    return
+
+        try:
+            # From the first idle report on (an earlier test's request may still be leaving).
+            await asyncio.wait_for(read(1), 10)
+            while reports[-1][1].in_flight or reports[-1][1].running:
+                reports.clear()
+                await asyncio.wait_for(read(1), 10)
+            await asyncio.wait_for(read(4), 10)
+            idle = reports[:]
+            assert all(load.in_flight == 0 and load.running == 0 for _, load in idle), idle
+            gaps = [b[0] - a[0] for a, b in itertools.pairwise(idle)]
+            assert all(gap >= 0.24 for gap in gaps), gaps
+            generation = asyncio.ensure_future(stub(engine_channel).Generate(request(
+                messages=PARIS, sampling={"max_tokens": 48, "ignore_eos": True}), timeout=120))
+            while not generation.done():
+                await asyncio.wait_for(read(len(reports) + 1), 10)
+            await generation
+            busy = [(t, load) for t, load in reports[len(idle):] if load.in_flight >= 1]
+            assert busy and any(load.running >= 1 for _, load in busy), reports
+            # While the request ran (its frames went to a router's own watch), this watch
+            # heard every interval.
+            gaps = [b[0] - a[0] for a, b in itertools.pairwise(busy)]
+            assert gaps and all(gap < 0.2 for gap in gaps), gaps
+        finally:
+            watch.cancel()
 
 
 def test_grpcurl_streams_paris_with_no_proto_files(engine_mesh):

@@ -4,6 +4,7 @@ only when no frame of the same router's sessions carried the load for an interva
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,48 @@ async def test_a_frame_too_soon_after_a_report_moves_the_next_report_to_the_sile
     assert not clock.frame_due(start + 0.01)
     await asyncio.wait_for(clock.wait_report(), 1)
     assert loop.time() - start < 0.25
+    clock.close()
+
+
+async def test_an_idle_workers_report_waits_the_silence_until_a_request_comes() -> None:
+    loop = asyncio.get_running_loop()
+    clock = LoadClock(0.05, 0.2)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    start = loop.time()
+    clock.sent(start, idle=True)  # nothing in flight: the load stays as it is
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(clock.wait_report(), 0.15)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert loop.time() - start >= 0.2
+    # A request comes 20 ms after an idle report: the next report an interval after it.
+    start = loop.time()
+    clock.sent(start, idle=True)
+    await asyncio.sleep(0.02)
+    clock.busy()
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert 0.05 <= loop.time() - start < 0.15
+    # Once an interval passed since the report, a request makes it due at once.
+    clock.sent(loop.time(), idle=True)
+    await asyncio.sleep(0.08)
+    clock.busy()
+    await asyncio.wait_for(clock.wait_report(), 0.01)
+    # After a busy report, or after a frame, a request changes nothing.
+    start = loop.time()
+    clock.sent(start)
+    clock.busy()
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert loop.time() - start >= 0.05
+    start = loop.time()
+    clock.sent(start, on_frame=True)
+    clock.busy()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(clock.wait_report(), 0.15)
+    clock.close()
+    # Without a silence longer than the interval (an unnamed watch), idle changes nothing.
+    clock = LoadClock(0.05)
+    clock.sent(start := loop.time(), idle=True)
+    await asyncio.wait_for(clock.wait_report(), 1)
+    assert loop.time() - start < 0.15
     clock.close()
 
 
@@ -175,3 +218,41 @@ async def test_steps_longer_than_the_interval_send_no_reports_between_them_withi
         assert loaded >= 8, loaded  # every step's frame carried the load instead
     finally:
         await worker.close()
+
+
+async def test_an_idle_worker_reports_at_the_silence_and_at_the_interval_once_a_request_comes(
+    stepped_worker: RunningWorker,
+) -> None:
+    """An idle mesh's reports were a wake-up of worker and router 6.7 times a second at the
+    router's 150 ms interval; idle, the load cannot change until a request comes."""
+    loop = asyncio.get_running_loop()
+    reports: list[tuple[float, worker_pb2.Load]] = []
+    watch = stepped_worker.stub.WatchLoad(
+        worker_pb2.WatchLoadRequest(interval_ms=100, watcher="router-a", silence_ms=250))
+    try:
+        async for report in watch:
+            reports.append((loop.time(), report.load))
+            if len(reports) == 4:
+                break
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(reports)]
+        assert all(gap >= 0.24 for gap in gaps), gaps
+        assert all(load.in_flight == 0 and load.running == 0 for _, load in reports)
+        # Another router's request (its frames carry no load for router-a) comes 30 ms
+        # after a report: router-a hears an interval after that report, not the silence.
+        await asyncio.sleep(0.03)
+        first = worker_pb2.SessionRequest(watcher="router-b", submit=[worker_pb2.SessionSubmit(
+            handle=1, request=token_request("idle-then-busy", [5, 6], max_tokens=60, ignore_eos=True))])
+        session = stepped_worker.stub.Session(iter([first]), timeout=30)
+        busy: list[tuple[float, worker_pb2.Load]] = []
+        async for report in watch:
+            busy.append((loop.time(), report.load))
+            if len(busy) == 3:
+                break
+        assert busy[0][0] - reports[-1][0] < 0.2, busy[0][0] - reports[-1][0]
+        assert any(load.in_flight >= 1 for _, load in busy)
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(busy)]
+        assert all(gap < 0.2 for gap in gaps), gaps  # busy: every interval
+        frames = [frame async for frame in session]
+        assert frames
+    finally:
+        watch.cancel()
