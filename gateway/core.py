@@ -122,20 +122,6 @@ class DeltaSink(Protocol):
         ...
 
 
-class _RecordedSink:
-    """A sink that also keeps the text it passed on, for the request's audit entry."""
-
-    def __init__(self, sink: DeltaSink, parts: list[str]) -> None:
-        self.sink, self.parts = sink, parts
-
-    def ready(self) -> bool:
-        return self.sink.ready()
-
-    def send(self, delta: TextDelta) -> None:
-        self.parts.append(delta.text)
-        self.sink.send(delta)
-
-
 @dataclass
 class Deadline:
     """The client's deadline as a monotonic instant (None = no deadline)."""
@@ -382,7 +368,7 @@ class GatewayCore:
             stream = _Stream(self, post_config, deadline,
                              want_tokens=call.sampling.logprobs is not None,
                              pacing=pacing or Pacing.for_call(call, self.config),
-                             sink=_RecordedSink(sink, output_parts) if sink is not None else None)
+                             sink=sink, record=output_parts)
             # The postprocessor request opens while the prompt is encoded: its set-up is off
             # the path of the first token (the router and worker), not in its way.
             await stream.open()
@@ -499,10 +485,13 @@ class _Stream:
     def __init__(
         self, core: GatewayCore, post_config: PostConfig,
         deadline: Deadline, *, want_tokens: bool, pacing: Pacing = WHOLE,
-        sink: DeltaSink | None = None,
+        sink: DeltaSink | None = None, record: list[str] | None = None,
     ) -> None:
         self.core = core
         self.sink = sink
+        self.record = record if record is not None else []
+        """The text that went to :attr:`sink`, for the request's audit entry (the rest is
+        recorded where the stream's iterator is read)."""
         self.generation: TokenGeneration
         """Set by :meth:`run` (the token ids come from the tokenizer, after :meth:`open`)."""
         self.started = False
@@ -519,6 +508,8 @@ class _Stream:
         self.router_replica = core.next_router()
         self.post_replica = core.next_postprocessor()
         self.session: PostSession | None = None
+        self._send_now: Callable[[list[int]], bool] | None = None
+        """The session's write that needs no wait (a Session request), if it has one."""
         self.session_gen = 0
         self.lock = asyncio.Lock()
         """Held while the postprocessor session is replaced or written to with a wait."""
@@ -570,6 +561,7 @@ class _Stream:
                 await self.post_failovers.pause()
                 continue
             self.session = session
+            self._send_now = getattr(session, "send_tokens_nowait", None)
             self.post_sent = len(replay)
             self.session_gen += 1
             gen = self.session_gen
@@ -617,10 +609,9 @@ class _Stream:
         """Send the current postprocessor session the tokens it has not had: at once
         when its write needs no wait (a Session request), else from a task that takes the
         lock (a Process call, or while the session is being replaced). Never raises."""
-        session = self.session
-        if session is None or self.post_sent >= len(self.tokens):
+        if self.session is None or self.post_sent >= len(self.tokens):
             return  # none open yet: opening replays every token
-        send_now = getattr(session, "send_tokens_nowait", None)
+        send_now = self._send_now
         if send_now is not None and not self.lock.locked():
             ids = self.tokens[self.post_sent:]
             self.post_sent = len(self.tokens)
@@ -833,7 +824,9 @@ class _Stream:
         the pump before it (the order holds), else through the pump."""
         sink = self.sink
         if sink is not None and self.events.empty() and sink.ready():
-            sink.send(self._release())
+            delta = self._release()
+            self.record.append(delta.text)
+            sink.send(delta)
         else:
             self.events.put_nowait(("release", None, self.sends))
 

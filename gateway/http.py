@@ -15,6 +15,7 @@ import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 from aiohttp import web
@@ -235,6 +236,12 @@ def _delta_event_parts(template: dict[str, Any]) -> tuple[bytes, bytes]:
     return head.encode(), tail.encode()
 
 
+def _json_string(text: str) -> bytes:
+    """``json.dumps(text).encode()``: the JSON encoder's own string escaper (ASCII, as
+    ``json.dumps`` writes by default), without dumps' per-call set-up, once per event."""
+    return encode_basestring_ascii(text).encode()
+
+
 _WRITE_LIMIT = 64 * 1024
 """Unsent bytes a connection may hold for a text event to go to it directly."""
 
@@ -269,7 +276,7 @@ class _SseWriter:
 
     def send(self, delta: TextDelta) -> None:
         assert self.transport is not None
-        event = self.head + json.dumps(delta.text).encode() + self.tail
+        event = self.head + _json_string(delta.text) + self.tail
         self.transport.write(b"%x\r\n%b\r\n" % (len(event), event) if self.chunked else event)
         self.sent += 1
 
@@ -364,7 +371,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         item = first
         while True:
             if isinstance(item, TextDelta):
-                await response.write(head + json.dumps(item.text).encode() + tail)
+                await response.write(head + _json_string(item.text) + tail)
                 awaited += 1
                 if direct.transport is None:  # headers and a first event are out
                     direct.start(request, response, head, tail)

@@ -104,6 +104,12 @@ class SessionPost:
     def send_tokens_nowait(self, token_ids: list[int]) -> bool:
         """Send without waiting: False (nothing done) when the request moved to a Process
         call, whose write is awaited (:meth:`send_tokens`)."""
+        link = self.link
+        if self.sent is None and self.call is None and link.failure is None and not (
+            self.closed or self.finished
+        ):
+            link.tokens(self.handle, token_ids)  # the steady state: an answered session
+            return True
         if self.closed:
             return True
         if self.call is not None and self.sent is None:

@@ -107,16 +107,16 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
 
     def _dispatch(self, frame: router_pb2.SessionResponse) -> None:
         queues = self.requests
-        logprobs = {entry.handle: entry.logprobs for entry in frame.logprobs} if frame.logprobs else {}
-        token_ids = frame.token_ids
+        logprobs = {entry.handle: entry.logprobs for entry in frame.logprobs} if frame.logprobs else None
+        token_ids = list(frame.token_ids)  # plain ints once, sliced per request
         offset = 0
         for handle, count in zip(frame.handles, frame.token_counts, strict=True):
             end = offset + count
             queue = queues.get(handle)
             if queue is not None:  # else aborted by us: late tokens are dropped
-                entries = logprobs.get(handle)
+                entries = logprobs.get(handle) if logprobs else None
                 queue.deliver(RouterDelta(
-                    token_ids=list(token_ids[offset:end]),
+                    token_ids=token_ids[offset:end],
                     logprobs=convert.logprobs_from_common(entries) if entries else [],
                 ))
             offset = end

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.http import _TEXT_MARK, _delta_event_parts, error_body, openai_param
+from gateway.http import _TEXT_MARK, _delta_event_parts, _json_string, error_body, openai_param
 from services.common.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -71,7 +71,7 @@ def test_fields_are_named_as_the_json_body_names_them() -> None:
 
 
 @pytest.mark.parametrize("text", ["plain", 'quote " and \\ backslash', "line\nbreak\ttab", "中文 🙂 é",
-                                  "\u2063llmesh-text\u2063", "", "\x00\x1f</script>"])
+                                  "\u2063llmesh-text\u2063", "", "\x00\x1f</script>", "lone \ud800 surrogate"])
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_text_delta_event_is_the_chunk_as_json(text: str, chat: bool) -> None:
     """The streamed delta is written from a template split around its text: byte for
@@ -83,4 +83,5 @@ def test_a_text_delta_event_is_the_chunk_as_json(text: str, chat: bool) -> None:
                 "choices": [choice]}
 
     head, tail = _delta_event_parts(chunk(_TEXT_MARK))
-    assert head + json.dumps(text).encode() + tail == f"data: {json.dumps(chunk(text))}\n\n".encode()
+    assert head + _json_string(text) + tail == f"data: {json.dumps(chunk(text))}\n\n".encode()
+    assert _json_string(text) == json.dumps(text).encode()
