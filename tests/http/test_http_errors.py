@@ -71,7 +71,8 @@ def test_fields_are_named_as_the_json_body_names_them() -> None:
 
 
 @pytest.mark.parametrize("text", ["plain", 'quote " and \\ backslash', "line\nbreak\ttab", "中文 🙂 é",
-                                  "\u2063llmesh-text\u2063", "", "\x00\x1f</script>", "lone \ud800 surrogate"])
+                                  "\u2063llmesh-text\u2063", "", "\x00\x1f</script>",
+                                  "lone \ud800 surrogate"])
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_text_delta_event_is_the_chunk_as_json(text: str, chat: bool) -> None:
     """The streamed delta is written from a template split around its text: byte for
