@@ -369,9 +369,9 @@ class GatewayCore:
                              want_tokens=call.sampling.logprobs is not None,
                              pacing=pacing or Pacing.for_call(call, self.config),
                              sink=sink, record=output_parts)
-            # The postprocessor request opens while the prompt is encoded: its set-up is off
-            # the path of the first token (the router and worker), not in its way.
-            await stream.open()
+            # The postprocessor request opens while the prompt is encoded, once the encode
+            # went out: its set-up is off the path of the first token, not in its way.
+            stream.open_soon()
             with tracer().start_as_current_span("gateway.tokenize"):
                 encoded = await self.tokenizer.encode(
                     meta.id, call.prompt, call.messages, add_generation_prompt=None,
@@ -524,6 +524,8 @@ class _Stream:
         self.post_failovers = policy.start(replicas=core.postprocessor.replicas, deadline=deadline.at)
         """Moves to another postprocessor replica, each replaying every token so far."""
         self._reader: asyncio.Future[None] | None = None
+        self._opening: asyncio.Future[None] | None = None
+        """The postprocessor request opening ahead of :meth:`run` (:meth:`open_soon`)."""
         self.pacing = pacing
         self.held = TextDelta(text="")
         """Released text (with its token detail) not yet sent: the delta being coalesced."""
@@ -695,10 +697,23 @@ class _Stream:
     # the pump -----------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Open the postprocessor request ahead of :meth:`run` (while the prompt is encoded)."""
+        """Open the postprocessor request (unless it is open)."""
         async with self.lock:
             if self.session is None:
                 await self._open_session()
+
+    def open_soon(self) -> None:
+        """Open the postprocessor request ahead of :meth:`run`, two event-loop turns from
+        now: what the caller asks for next in this turn (the prompt's encode) is written
+        at the end of it (its link's flush), so the open's set-up overlaps the tokenizer's
+        work instead of holding its message back. :meth:`run` waits for it (and opens
+        again if it failed); :meth:`discard` stops it."""
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, self._start_opening)
+
+    def _start_opening(self) -> None:
+        if not self.started and self._opening is None:
+            self._opening = asyncio.ensure_future(self.open())
 
     async def discard(self) -> None:
         """Drop the postprocessor request of a stream that never ran (its request failed
@@ -706,6 +721,10 @@ class _Stream:
         if self.started:
             return
         self.started = True
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._opening
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
         if self.session is not None:
@@ -718,6 +737,9 @@ class _Stream:
         router_task: asyncio.Task[None] | None = None
         final: PostFinal | None = None
         try:
+            if self._opening is not None:
+                with contextlib.suppress(Exception):
+                    await self._opening  # a failure to open is met again just below
             await self.open()
             router_task = asyncio.create_task(self._run_router())
             while final is None:

@@ -577,6 +577,23 @@ class FramedCall:
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._responses()
 
+    def send_now(self, message: Message) -> bool:
+        """Write ``message`` at once, without the sender task's wake-up (one event-loop
+        iteration of the request's path, a task switch per message on every hop), when
+        nothing is before it: the call runs over the listener, its connection takes
+        writes (open, nothing buffered) and the caller has nothing queued for the sender
+        (the caller's to check: its queue is what ``messages`` yields). False: the caller
+        queues it, as always (over gRPC, still connecting, or writes backed up)."""
+        writer = self._writer
+        if writer is None or self._cancelled:
+            return False
+        transport = writer.transport
+        if transport.is_closing() or transport.get_write_buffer_size():
+            return False
+        transport.write(frame(MESSAGE, message.SerializeToString()))
+        self._sent()
+        return True
+
     # -- internals -------------------------------------------------------------------
     async def _open(self) -> asyncio.StreamReader | None:
         """Connect to the listener and start sending (the reader); None: over gRPC."""
@@ -607,15 +624,18 @@ class FramedCall:
         try:
             async for message in self._messages:
                 writer.write(frame(MESSAGE, message.SerializeToString()))
-                if self._keepalive is None and not self._cancelled:
-                    # Quiet while idle: an answer is owed from now on.
-                    loop = asyncio.get_running_loop()
-                    self._last_heard = loop.time()
-                    self._keepalive = loop.call_later(PING_IDLE_S, self._tick)
+                self._sent()
                 await writer.drain()
             writer.write(frame(END))
         except (ConnectionError, RuntimeError):
             pass  # the reader sees the connection end
+
+    def _sent(self) -> None:
+        if self._keepalive is None and not self._cancelled:
+            # Quiet while idle: an answer is owed from now on.
+            loop = asyncio.get_running_loop()
+            self._last_heard = loop.time()
+            self._keepalive = loop.call_later(PING_IDLE_S, self._tick)
 
     def _tick(self) -> None:
         writer = self._writer

@@ -154,14 +154,16 @@ class GrpcSessionLink:
             yield message
 
     def send(self, submits: Sequence[SessionSubmit], aborts: Sequence[int]) -> None:
-        self._outbox.put_nowait(worker_pb2.SessionRequest(
+        message = worker_pb2.SessionRequest(
             submit=[worker_pb2.SessionSubmit(handle=s.handle, request=request_to_proto(s.request),
                                              timeout_s=s.timeout_s or 0.0, traceparent=s.traceparent)
                     for s in submits],
             abort=list(aborts),
             watcher=self._watcher,
-        ))
+        )
         self._watcher = ""
+        if not (self._outbox.empty() and self._call.send_now(message)):
+            self._outbox.put_nowait(message)
 
     async def events(self) -> AsyncIterator[Iterable[tuple[int, WorkerEvent]]]:
         try:

@@ -150,6 +150,54 @@ async def test_a_session_runs_over_the_listener() -> None:
         assert opener.framed_calls == 2
 
 
+async def test_a_message_written_at_once_keeps_its_place_after_the_queued_ones() -> None:
+    """send_now writes without the sender task only when nothing is before it: while the
+    call connects it refuses (the caller queues), over the listener it writes, and what
+    it wrote arrives in order with what went through the queue."""
+    queue: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
+
+    async def queued() -> AsyncIterator[worker_pb2.SessionRequest]:
+        while (item := await queue.get()) is not None:
+            yield item
+
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        call = open_call(opener, queued())
+        assert not call.send_now(submit(1))  # still connecting: the caller queues it
+        queue.put_nowait(submit(1))
+        answers: list[int] = []
+
+        async def read() -> None:
+            async for response in call:
+                answers.extend(response.handles)
+
+        reader = asyncio.ensure_future(read())
+        await wait_for(lambda: answers == [1])
+        assert call.framed
+        assert call.send_now(submit(2, 3))
+        queue.put_nowait(submit(4))
+        await wait_for(lambda: answers == [1, 2, 3, 4])
+        queue.put_nowait(None)
+        await reader
+
+
+async def test_a_call_over_grpc_never_writes_at_once() -> None:
+    async with Peer(EchoSessions(), listener=False) as peer, opener_for(peer) as opener:
+        hold = asyncio.Event()
+        call = open_call(opener, messages(submit(5), hold=hold))
+        answers: list[int] = []
+
+        async def read() -> None:
+            async for response in call:
+                answers.extend(response.handles)
+
+        reader = asyncio.ensure_future(read())
+        await wait_for(lambda: answers == [5])
+        assert not call.framed and not call.send_now(submit(6))
+        hold.set()
+        await reader
+        assert answers == [5]
+
+
 async def test_a_failed_call_keeps_its_field_violation() -> None:
     async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
         call = open_call(opener, messages(submit(1), submit(99), hold=asyncio.Event()))

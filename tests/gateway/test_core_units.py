@@ -49,14 +49,18 @@ class _TokenizerReplicas:
     """A tokenizer tier whose replica that encodes loaded another tokenizer than the one
     that listed the models (a half-finished rollout)."""
 
-    def __init__(self, listed: str, encoding: str) -> None:
+    def __init__(self, listed: str, encoding: str, *, turns: int = 0) -> None:
         self.listed, self.encoding = listed, encoding
+        self.turns = turns
+        """Event-loop turns the answer takes (a real tier's takes a round trip)."""
 
     async def list_models(self, *, timeout: float | None) -> list[ModelMeta]:
         return [ModelMeta(id="m", max_context_length=2048, tokenizer_checksum=self.listed, is_default=True)]
 
     async def encode(self, model: str, prompt: str, messages: list[ChatTurn], *,
                      add_generation_prompt: bool | None, timeout: float | None) -> Encoded:
+        for _ in range(self.turns):
+            await asyncio.sleep(0)
         return Encoded(model=model, token_ids=[1, 2, 3], tokenizer_checksum=self.encoding)
 
 
@@ -102,12 +106,21 @@ async def test_a_tokenizer_replica_with_another_checksum_is_refused() -> None:
     """Token ids from a tokenizer other than the model's would make the workers generate
     garbage: the gateway answers UNAVAILABLE before anything reaches the router."""
     post = _NoTier()
-    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-b"), _NoTier(), post,  # type: ignore[arg-type]
+    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-b", turns=5), _NoTier(), post,  # type: ignore[arg-type]
                        tenants=TenantRegistry([]))
     with pytest.raises(Unavailable, match="checksum"):
         await core.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
     # The postprocessor request opened while the prompt was encoded is dropped unused.
     assert [s.closed for s in post.sessions] == [True]
+    # An answer before the open began (it starts two turns after the encode was asked
+    # for): the request is refused without opening one at all.
+    post = _NoTier()
+    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-b"), _NoTier(), post,  # type: ignore[arg-type]
+                       tenants=TenantRegistry([]))
+    with pytest.raises(Unavailable, match="checksum"):
+        await core.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
+    await asyncio.sleep(0.01)
+    assert post.sessions == []
     same = GatewayCore(_TokenizerReplicas("sha-a", "sha-a"), _NoTier(), _NoTier(),  # type: ignore[arg-type]
                        tenants=TenantRegistry([]))
     # The control: with matching checksums the same request goes on to the tiers.

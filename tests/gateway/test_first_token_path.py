@@ -103,7 +103,8 @@ class _Tiers:
     async def encode(self, model: str, prompt: str, messages: list[ChatTurn], *,
                      add_generation_prompt: bool | None, timeout: float | None) -> Encoded:
         self.log.append("tokenizer.encode")
-        await asyncio.sleep(0)
+        for _ in range(5):  # a round trip takes event-loop turns
+            await asyncio.sleep(0)
         self.log.append("tokenizer.encoded")
         return Encoded(model=model, token_ids=[1, 2, 3], tokenizer_checksum="")
 
@@ -139,11 +140,12 @@ class _Tiers:
 
 async def test_the_postprocessor_request_opens_while_the_prompt_is_encoded() -> None:
     """Its set-up overlaps the tokenizer call instead of coinciding with the router's and
-    the worker's work on the first token; nothing else changes order."""
+    the worker's work on the first token, and comes after the encode was asked for (whose
+    message then goes out first); nothing else changes order."""
     tiers = _Tiers()
     core = GatewayCore(tiers, tiers, tiers, tenants=TenantRegistry([]))  # type: ignore[arg-type]
     items = [item async for item in core.generate_stream(
         Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))]
     assert [i.text for i in items if isinstance(i, TextDelta)] == ["x"]
-    assert tiers.log == ["postprocessor.open", "tokenizer.encode", "tokenizer.encoded", "router.generate",
+    assert tiers.log == ["tokenizer.encode", "postprocessor.open", "tokenizer.encoded", "router.generate",
                          "postprocessor.tokens", "postprocessor.close"]
