@@ -3,14 +3,15 @@ sends and receives on the way, timestamped, for sequential requests through a fa
 mesh's gateway.
 
 Usage: ``.venv/bin/python scripts/first_token_timeline.py [--requests 60] [--token-delay-ms 20]
-[--tokens 3] [--gap-s 0.2]``
+[--tokens 3] [--gap-s 0.2] [--protocol grpc|http]``
 
 A ``sitecustomize`` hook (written to a temporary directory put on the tiers'
 ``PYTHONPATH``, so the tiers' code is not touched) wraps the framed transport of
 ``services/common/sessionwire.py`` in every tier process: each frame written (``send``)
 and each frame read, by a caller (``crecv``) or by a listener (``srecv``), appends the
 ``CLOCK_MONOTONIC`` nanoseconds, its direction and kind to a file of that process. This
-process sends the requests (``llmesh.client``, GenerateStream) one at a time, ``--gap-s``
+process sends the requests (``llmesh.client``'s GenerateStream, or with ``--protocol
+http`` the streamed ``/v1/completions`` that ``llmesh bench`` drives) one at a time, ``--gap-s``
 apart as a user at one stream does, and notes when each was sent and when its first text
 came. Per request the frames between the two are lined up; the most common sequence is
 printed with the median offset of every frame from the send and the median step from the
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import bisect
 import collections
+import math
 import os
 import statistics
 import sys
@@ -126,7 +128,10 @@ def report(events: list[tuple[int, str]], requests: list[tuple[int, int]]) -> No
     shapes = collections.Counter(tuple(label for _, label in path) for path, _ in paths)
     shape, count = shapes.most_common(1)[0]
     alike = [(path, ttft) for path, ttft in paths if tuple(label for _, label in path) == shape]
-    print(f"{len(paths)} requests; {count} took the most common path, its frames (median us):")
+    print(f"{len(paths)} requests, {len(shapes)} different paths; the commonest:")
+    for other, n in shapes.most_common(3):
+        print(f"  {n:4d} x " + " ".join(label.replace(":MESSAGE", "") for label in other))
+    print(f"{count} took the most common path, its frames (median us):")
     print(f"{'from send':>10} {'step':>8}  frame")
     previous = 0.0
     for i, label in enumerate(shape):
@@ -149,6 +154,7 @@ def report(events: list[tuple[int, str]], requests: list[tuple[int, int]]) -> No
 
 async def _drive(target: str, model: str, prompts: list[tuple[str, int]], warmup: int,
                  gap_s: float) -> list[tuple[int, int]]:
+    """Over gRPC: ``llmesh.client``'s GenerateStream."""
     from llmesh.client import AsyncClient
 
     client = AsyncClient(target, timeout=60, max_attempts=1)
@@ -169,12 +175,31 @@ async def _drive(target: str, model: str, prompts: list[tuple[str, int]], warmup
     return timed
 
 
+async def _drive_http(url: str, model: str, prompts: list[tuple[str, int]], warmup: int,
+                      gap_s: float) -> list[tuple[int, int]]:
+    """Over HTTP: the streamed ``/v1/completions`` of ``llmesh bench``'s client, whose time
+    to first token counts from just after the send time noted here."""
+    from llmesh.bench_load import BenchRequest, OpenAIHttpDriver
+
+    timed: list[tuple[int, int]] = []
+    async with OpenAIHttpDriver(url, model, timeout_s=60) as driver:
+        for i, (prompt, max_tokens) in enumerate(prompts):
+            await asyncio.sleep(gap_s)
+            sent = time.monotonic_ns()
+            result = await driver(BenchRequest(index=i, prompt=prompt, max_tokens=max_tokens))
+            if i >= warmup and result.ok and math.isfinite(result.ttft_s):
+                timed.append((sent, sent + int(result.ttft_s * 1e9)))
+    return timed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60, help="requests timed (after 5 warm-ups)")
     parser.add_argument("--token-delay-ms", type=float, default=20.0, help="the fake engine's step")
     parser.add_argument("--tokens", type=int, default=3, help="output tokens per request")
     parser.add_argument("--gap-s", type=float, default=0.2, help="pause before every request")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                        help="GenerateStream, or the streamed /v1/completions llmesh bench drives")
     args = parser.parse_args(argv)
 
     from llmesh import bench
@@ -194,10 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LLMESH_TIMELINE_DIR"] = str(log_dir)
         config = bench._fake_mesh_config(opts, token_delay_ms=args.token_delay_ms, batch_max_wait_ms=None)
         print("starting a fake-engine mesh", file=sys.stderr)
-        with bench._started_mesh(config, Path(tmp) / "logs"):
-            target = f"{config.gateway.host}:{config.gateway.port}"
-            timed = asyncio.run(_drive(target, opts.model_name,
-                                       [(r.prompt, r.max_tokens) for r in workload], warmup, args.gap_s))
+        prompts = [(r.prompt, r.max_tokens) for r in workload]
+        with bench._started_mesh(config, Path(tmp) / "logs") as mesh:
+            if args.protocol == "http":
+                timed = asyncio.run(_drive_http(mesh.state()["http"], opts.model_name, prompts, warmup,
+                                                args.gap_s))
+            else:
+                target = f"{config.gateway.host}:{config.gateway.port}"
+                timed = asyncio.run(_drive(target, opts.model_name, prompts, warmup, args.gap_s))
         report(_read_events(log_dir), timed)
     return 0
 
