@@ -348,7 +348,6 @@ class GatewayCore:
         output_parts: list[str] = []
         completion: Completion | None = None
         registered = False
-        stream: _Stream | None = None
         try:
             validate_request(call, limits)
             if request_id in self._running:
@@ -369,9 +368,6 @@ class GatewayCore:
                              want_tokens=call.sampling.logprobs is not None,
                              pacing=pacing or Pacing.for_call(call, self.config),
                              sink=sink, record=output_parts)
-            # The postprocessor request opens while the prompt is encoded, once the encode
-            # went out: its set-up is off the path of the first token, not in its way.
-            stream.open_soon()
             with tracer().start_as_current_span("gateway.tokenize"):
                 encoded = await self.tokenizer.encode(
                     meta.id, call.prompt, call.messages, add_generation_prompt=None,
@@ -426,8 +422,6 @@ class GatewayCore:
             status = "INTERNAL"
             raise
         finally:
-            if stream is not None:
-                await stream.discard()  # opened, but the request never got to run
             if registered:
                 self._running.discard(request_id)
             span.set_attribute("llmesh.status", status)
@@ -493,8 +487,7 @@ class _Stream:
         """The text that went to :attr:`sink`, for the request's audit entry (the rest is
         recorded where the stream's iterator is read)."""
         self.generation: TokenGeneration
-        """Set by :meth:`run` (the token ids come from the tokenizer, after :meth:`open`)."""
-        self.started = False
+        """Set by :meth:`run` (the token ids come from the tokenizer)."""
         self.post_config = post_config
         self.deadline = deadline
         self.want_tokens = want_tokens
@@ -525,7 +518,8 @@ class _Stream:
         """Moves to another postprocessor replica, each replaying every token so far."""
         self._reader: asyncio.Future[None] | None = None
         self._opening: asyncio.Future[None] | None = None
-        """The postprocessor request opening ahead of :meth:`run` (:meth:`open_soon`)."""
+        """The postprocessor request opening aside (:meth:`open_soon`)."""
+        self._discarded = False
         self.pacing = pacing
         self.held = TextDelta(text="")
         """Released text (with its token detail) not yet sent: the delta being coalesced."""
@@ -703,45 +697,33 @@ class _Stream:
                 await self._open_session()
 
     def open_soon(self) -> None:
-        """Open the postprocessor request ahead of :meth:`run`, two event-loop turns from
-        now: what the caller asks for next in this turn (the prompt's encode) is written
-        at the end of it (its link's flush), so the open's set-up overlaps the tokenizer's
-        work instead of holding its message back. :meth:`run` waits for it (and opens
-        again if it failed); :meth:`discard` stops it."""
+        """Open the postprocessor request aside, two event-loop turns from now: what was
+        asked for in this turn (the router submission, from the task :meth:`run` has just
+        started) is written first, at the end of the next one (its link's flush), so the
+        open's set-up is off the first token's path: the router, the worker and the
+        engine take longer than an open, and tokens that come before it are replayed into
+        it. Its failure (when the failover policy gives up) ends the request."""
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, self._start_opening)
 
     def _start_opening(self) -> None:
-        if not self.started and self._opening is None:
-            self._opening = asyncio.ensure_future(self.open())
+        if not self._discarded and self._opening is None and self.session is None:
+            self._opening = asyncio.ensure_future(self._open_aside())
 
-    async def discard(self) -> None:
-        """Drop the postprocessor request of a stream that never ran (its request failed
-        before reaching the router); a no-op once :meth:`run` started."""
-        if self.started:
-            return
-        self.started = True
-        if self._opening is not None and not self._opening.done():
-            self._opening.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._opening
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
-        if self.session is not None:
-            with contextlib.suppress(Exception):
-                await self.session.close()
+    async def _open_aside(self) -> None:
+        try:
+            await self.open()
+        except Exception as exc:
+            error = exc if isinstance(exc, LlmeshError) else _unexpected("postprocessor", exc)
+            self.events.put_nowait(("error", error, 0))
 
     async def run(self, generation: TokenGeneration) -> AsyncIterator[TextDelta | Completion]:
         self.generation = generation
-        self.started = True
         router_task: asyncio.Task[None] | None = None
         final: PostFinal | None = None
         try:
-            if self._opening is not None:
-                with contextlib.suppress(Exception):
-                    await self._opening  # a failure to open is met again just below
-            await self.open()
             router_task = asyncio.create_task(self._run_router())
+            self.open_soon()
             while final is None:
                 kind, payload, gen = await self.events.get()
                 if kind == "release":
@@ -776,8 +758,11 @@ class _Stream:
                     await asyncio.wait_for(asyncio.shield(router_task), 1.0)
             yield self._completion(final)
         finally:
+            self._discarded = True
             if self.hold_timer is not None:
                 self.hold_timer.cancel()
+            if self._opening is not None and not self._opening.done():
+                self._opening.cancel()
             if self._forwarder is not None and not self._forwarder.done():
                 self._forwarder.cancel()
             if router_task is not None and not router_task.done():

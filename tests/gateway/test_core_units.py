@@ -65,8 +65,7 @@ class _TokenizerReplicas:
 
 
 class _UnusedPostSession:
-    """A postprocessor request opened ahead of the tokenizer's answer (issue #17) that must
-    get no tokens, only its close."""
+    """A postprocessor request that must get no tokens, only its close."""
 
     def __init__(self) -> None:
         self.closed = False
@@ -110,15 +109,7 @@ async def test_a_tokenizer_replica_with_another_checksum_is_refused() -> None:
                        tenants=TenantRegistry([]))
     with pytest.raises(Unavailable, match="checksum"):
         await core.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
-    # The postprocessor request opened while the prompt was encoded is dropped unused.
-    assert [s.closed for s in post.sessions] == [True]
-    # An answer before the open began (it starts two turns after the encode was asked
-    # for): the request is refused without opening one at all.
-    post = _NoTier()
-    core = GatewayCore(_TokenizerReplicas("sha-a", "sha-b"), _NoTier(), post,  # type: ignore[arg-type]
-                       tenants=TenantRegistry([]))
-    with pytest.raises(Unavailable, match="checksum"):
-        await core.generate(Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))
+    # Nor the postprocessor: its request opens only once the router has the request's.
     await asyncio.sleep(0.01)
     assert post.sessions == []
     same = GatewayCore(_TokenizerReplicas("sha-a", "sha-a"), _NoTier(), _NoTier(),  # type: ignore[arg-type]

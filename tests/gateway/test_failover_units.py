@@ -51,9 +51,11 @@ class _Router:
 
     replicas = 2
 
-    def __init__(self, plan: list[int | None], error: Exception | None = None) -> None:
+    def __init__(self, plan: list[int | None], error: Exception | None = None, *, turns: int = 0) -> None:
         self.plan = plan
         self.error = error
+        self.turns = turns
+        """Event-loop turns before an attempt's first token (a real one takes a prefill)."""
         self.calls: list[tuple[int, list[int], int]] = []
 
     async def generate(
@@ -66,6 +68,8 @@ class _Router:
         deliver = self.plan[len(self.calls) - 1] if len(self.calls) <= len(self.plan) else 0
         start = len(resume_token_ids)
         end = MAX_TOKENS if deliver is None else min(MAX_TOKENS, start + deliver)
+        for _ in range(self.turns):
+            await asyncio.sleep(0)
         for n in range(start, end):
             yield RouterDelta(token_ids=[100 + n])
             await asyncio.sleep(0)

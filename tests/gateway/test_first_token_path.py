@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.core import Deadline, GatewayCore
+from gateway.core import Deadline, GatewayCore, TierUnavailable
 from gateway.tenants import Tenant, TenantRegistry
 from gateway.tiers import GrpcTokenizerTier
 from gateway.types import (
@@ -92,9 +92,13 @@ class _Tiers:
 
     replicas = 1
 
-    def __init__(self) -> None:
+    def __init__(self, encode_turns: int = 5, fail_opens: int = 0) -> None:
         self.log: list[str] = []
         self.replies: asyncio.Queue[PostDelta | PostFinal] = asyncio.Queue()
+        self.encode_turns = encode_turns
+        """Event-loop turns an encode takes (a round trip takes several)."""
+        self.fail_opens = fail_opens
+        """Opens that fail as an unreachable replica does, before the next one succeeds."""
 
     # tokenizer
     async def list_models(self, *, timeout: float | None) -> list[ModelMeta]:
@@ -103,7 +107,7 @@ class _Tiers:
     async def encode(self, model: str, prompt: str, messages: list[ChatTurn], *,
                      add_generation_prompt: bool | None, timeout: float | None) -> Encoded:
         self.log.append("tokenizer.encode")
-        for _ in range(5):  # a round trip takes event-loop turns
+        for _ in range(self.encode_turns):
             await asyncio.sleep(0)
         self.log.append("tokenizer.encoded")
         return Encoded(model=model, token_ids=[1, 2, 3], tokenizer_checksum="")
@@ -122,6 +126,9 @@ class _Tiers:
     # postprocessor
     async def open(self, replica: int, config: PostConfig, *, timeout: float | None) -> _Tiers:
         self.log.append("postprocessor.open")
+        if self.fail_opens:
+            self.fail_opens -= 1
+            raise TierUnavailable("postprocessor: connection refused")
         return self
 
     async def send_tokens(self, token_ids: list[int]) -> None:
@@ -138,14 +145,44 @@ class _Tiers:
         self.log.append("postprocessor.close")
 
 
-async def test_the_postprocessor_request_opens_while_the_prompt_is_encoded() -> None:
-    """Its set-up overlaps the tokenizer call instead of coinciding with the router's and
-    the worker's work on the first token, and comes after the encode was asked for (whose
-    message then goes out first); nothing else changes order."""
-    tiers = _Tiers()
+async def test_the_postprocessor_request_opens_after_the_router_submission() -> None:
+    """The encode first, then the router submission, then the postprocessor's open: its
+    set-up is off the first token's path (the router, the worker and the engine take
+    longer), and the tokens that came before it are replayed into it."""
+    for turns in (0, 5):
+        tiers = _Tiers(encode_turns=turns)
+        core = GatewayCore(tiers, tiers, tiers, tenants=TenantRegistry([]))  # type: ignore[arg-type]
+        items = [item async for item in core.generate_stream(
+            Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))]
+        assert [i.text for i in items if isinstance(i, TextDelta)] == ["x"]
+        assert tiers.log == ["tokenizer.encode", "tokenizer.encoded", "router.generate", "postprocessor.open",
+                             "postprocessor.tokens", "postprocessor.close"], turns
+
+
+async def test_an_open_that_fails_is_made_again_aside() -> None:
+    """The first replica refused the open: the failover policy's pause and the next
+    replica's open go on aside while the request runs, and the tokens that came
+    meanwhile are replayed into the new open."""
+    tiers = _Tiers(fail_opens=1)
     core = GatewayCore(tiers, tiers, tiers, tenants=TenantRegistry([]))  # type: ignore[arg-type]
     items = [item async for item in core.generate_stream(
         Tenant(name="t"), GenerateCall(prompt="hello"), Deadline.after(10))]
     assert [i.text for i in items if isinstance(i, TextDelta)] == ["x"]
-    assert tiers.log == ["tokenizer.encode", "postprocessor.open", "tokenizer.encoded", "router.generate",
-                         "postprocessor.tokens", "postprocessor.close"]
+    assert tiers.log == ["tokenizer.encode", "tokenizer.encoded", "router.generate", "postprocessor.open",
+                         "postprocessor.open", "postprocessor.tokens", "postprocessor.close"]
+
+
+async def test_a_postprocessor_that_keeps_refusing_fails_the_request() -> None:
+    """Every open refused: the request ends with the tier's error once the failover
+    policy gives up, and no text reaches the client (nothing waits for a postprocessor
+    that never opens)."""
+    tiers = _Tiers(fail_opens=100)
+    core = GatewayCore(tiers, tiers, tiers, tenants=TenantRegistry([]))  # type: ignore[arg-type]
+    texts: list[str] = []
+    with pytest.raises(TierUnavailable, match="postprocessor replicas keep failing"):
+        async for item in core.generate_stream(Tenant(name="t"), GenerateCall(prompt="hello"),
+                                               Deadline.after(10)):
+            if isinstance(item, TextDelta):
+                texts.append(item.text)
+    assert texts == []
+    assert tiers.log.count("postprocessor.open") >= 2
