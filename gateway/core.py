@@ -520,6 +520,7 @@ class _Stream:
         self._opening: asyncio.Future[None] | None = None
         """The postprocessor request opening aside (:meth:`open_soon`)."""
         self._discarded = False
+        """The run ended: an open not begun by then is not begun."""
         self.pacing = pacing
         self.held = TextDelta(text="")
         """Released text (with its token detail) not yet sent: the delta being coalesced."""

@@ -133,6 +133,12 @@ async def opener_for(peer: Peer, tls: TlsSettings | None = None) -> AsyncIterato
         await channel.close()
 
 
+async def collect_handles(call: FramedCall, into: list[int]) -> None:
+    """Append the handles of every response to ``into`` as they come."""
+    async for response in call:
+        into.extend(response.handles)
+
+
 async def handles_of(call: FramedCall) -> list[int]:
     return [h for response in [r async for r in call] for h in response.handles]
 
@@ -165,12 +171,7 @@ async def test_a_message_written_at_once_keeps_its_place_after_the_queued_ones()
         assert not call.send_now(submit(1))  # still connecting: the caller queues it
         queue.put_nowait(submit(1))
         answers: list[int] = []
-
-        async def read() -> None:
-            async for response in call:
-                answers.extend(response.handles)
-
-        reader = asyncio.ensure_future(read())
+        reader = asyncio.ensure_future(collect_handles(call, answers))
         await wait_for(lambda: answers == [1])
         assert call.framed
         assert call.send_now(submit(2, 3))
@@ -185,12 +186,7 @@ async def test_a_call_over_grpc_never_writes_at_once() -> None:
         hold = asyncio.Event()
         call = open_call(opener, messages(submit(5), hold=hold))
         answers: list[int] = []
-
-        async def read() -> None:
-            async for response in call:
-                answers.extend(response.handles)
-
-        reader = asyncio.ensure_future(read())
+        reader = asyncio.ensure_future(collect_handles(call, answers))
         await wait_for(lambda: answers == [5])
         assert not call.framed and not call.send_now(submit(6))
         hold.set()
