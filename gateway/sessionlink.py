@@ -176,9 +176,7 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
             return
         message, self._pending = self._pending, self._new_message()
         self.messages_sent += 1
-        if self._outbox.empty() and self._call.send_now(message):
-            return
-        self._outbox.put_nowait(message)
+        self._call.send_or_queue(message, self._outbox)
 
     async def _messages(self) -> AsyncIterator[MessageT]:
         while (message := await self._outbox.get()) is not None:

@@ -577,6 +577,13 @@ class FramedCall:
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._responses()
 
+    def send_or_queue(self, message: Message, queue: asyncio.Queue[Any]) -> None:
+        """Write ``message`` at once (:meth:`send_now`) when ``queue``, the caller's queue
+        that ``messages`` yields from, holds nothing before it; else put it in the queue
+        for the sender, behind what is there: the order of messages holds either way."""
+        if not (queue.empty() and self.send_now(message)):
+            queue.put_nowait(message)
+
     def send_now(self, message: Message) -> bool:
         """Write ``message`` at once, without the sender task's wake-up (one event-loop
         iteration of the request's path, a task switch per message on every hop), when

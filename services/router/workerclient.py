@@ -162,8 +162,7 @@ class GrpcSessionLink:
             watcher=self._watcher,
         )
         self._watcher = ""
-        if not (self._outbox.empty() and self._call.send_now(message)):
-            self._outbox.put_nowait(message)
+        self._call.send_or_queue(message, self._outbox)
 
     async def events(self) -> AsyncIterator[Iterable[tuple[int, WorkerEvent]]]:
         try:
