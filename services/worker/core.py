@@ -187,14 +187,16 @@ class EngineRun:
     request is aborted in the engine and its id freed.
     """
 
-    __slots__ = ("_consumer", "_first_token_at", "_registered", "_starting", "aborted", "completion",
-                 "core", "ended", "request", "request_id", "started_at")
+    __slots__ = ("_consumer", "_consumer_tokens", "_first_token_at", "_registered", "_starting",
+                 "aborted", "completion", "core", "ended", "request", "request_id", "started_at")
 
     def __init__(self, core: WorkerCore, request: EngineRequest, consumer: Consumer) -> None:
         self.core = core
         self.request = request
         self.request_id = request.request_id
         self._consumer: Consumer | None = consumer
+        self._consumer_tokens: Callable[[list[int]], None] | None = getattr(consumer, "step_tokens", None)
+        """The consumer's ``step_tokens(token_ids)`` if it has one (see :meth:`step_tokens`)."""
         self.aborted = False
         """Aborted by its caller (Abort, abort by handle): it ends with an ABORT final, and
         its id may be taken again once it left the engine."""
@@ -246,7 +248,7 @@ class EngineRun:
         metrics.IN_FLIGHT.set(len(core._in_flight))
         self._starting = True
         try:
-            await core.engine.start(self.request, self._on_output)
+            await core.engine.start(self.request, self)
         except asyncio.CancelledError:
             self.detach()
             await self._leave_engine()
@@ -266,7 +268,7 @@ class EngineRun:
         """The consumer goes away: nothing more reaches it. :meth:`cancel` then aborts the
         request in the engine; until then it stays in flight (its id taken)."""
         if self._consumer is not None:
-            self._consumer = None
+            self._consumer = self._consumer_tokens = None
             self.aborted = True
 
     async def cancel(self) -> None:
@@ -311,6 +313,29 @@ class EngineRun:
         if out.finish_reason is not None:
             self._finish(out)
 
+    __call__ = _on_output
+    """The run is the engine's sink (a :class:`~services.worker.engine.TokenSink`)."""
+
+    def step_tokens(self, token_ids: list[int]) -> None:
+        """The engine's sink for a step's plain token ids (no logprobs, not the end): what
+        :meth:`_on_output` does with them, and the consumer's own ``step_tokens`` when it has
+        one, so no :class:`Delta` is built per request and step."""
+        if not token_ids:
+            return
+        consumer = self._consumer
+        if consumer is None:
+            return
+        if self._first_token_at is None:
+            self._first_token_at = time.perf_counter()
+        n = len(token_ids)
+        self.completion += n
+        self.core._tokens_produced += n
+        fast = self._consumer_tokens
+        if fast is not None:
+            fast(token_ids)
+        else:
+            consumer(Delta(list(token_ids), None))
+
     def _finish(self, out: EngineOutput) -> None:
         reason = FinishReason.ABORT if self.aborted else out.finish_reason
         assert reason is not None
@@ -319,6 +344,7 @@ class EngineRun:
 
     def _end(self, event: Final | Exception) -> None:
         consumer, self._consumer = self._consumer, None
+        self._consumer_tokens = None
         self._release()
         if consumer is not None:
             consumer(event)

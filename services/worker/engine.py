@@ -102,7 +102,24 @@ class RequestRejected(InvalidArgument):
 
 
 OutputSink = Callable[["EngineOutput | Exception"], None]
-"""Where the engine puts one request's outputs (see :meth:`Engine.start`)."""
+"""Where the engine puts one request's outputs (see :meth:`Engine.start`).
+
+A sink may also have a ``step_tokens(token_ids)`` method (see :class:`TokenSink`): an engine
+may then hand it a step's plain new token ids (a request without logprobs that did not
+end in that step) without building an :class:`EngineOutput` for them."""
+
+
+@runtime_checkable
+class TokenSink(Protocol):
+    """An :data:`OutputSink` that also takes plain token ids."""
+
+    def __call__(self, out: EngineOutput | Exception) -> None: ...
+
+    def step_tokens(self, token_ids: list[int]) -> None:
+        """The same as ``sink(EngineOutput(token_ids))`` for a request that asked for no
+        logprobs and did not end with these tokens. ``token_ids`` stays the engine's: the
+        sink copies what it keeps and never changes it."""
+        ...
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,9 +119,14 @@ class _Sequence:
     queue_ms: float | None = None
     ttft_ms: float | None = None
     prompt_tokens: int = field(init=False)
+    step_tokens: Callable[[list[int]], None] | None = field(init=False)
+    """The sink's ``step_tokens`` for a request without logprobs (a TokenSink): its
+    tokens that do not end it go there, as vLLM's adapter hands them."""
 
     def __post_init__(self) -> None:
         self.prompt_tokens = len(self.sequence)
+        self.step_tokens = (getattr(self.sink, "step_tokens", None)
+                            if self.request.sampling.logprobs is None else None)
 
     def ending(self, reason: FinishReason) -> EngineOutput:
         """The last output of a request that ends without a new token."""
@@ -283,11 +288,11 @@ class FakeEngine:
             return
         self.steps += 1
         now = time.perf_counter()
-        delivered: list[tuple[OutputSink, EngineOutput]] = []
+        delivered: list[tuple[_Sequence, EngineOutput]] = []
         finished: list[str] = []
         for rid, seq in self._running.items():
             out = self._advance(seq, now)
-            delivered.append((seq.sink, out))
+            delivered.append((seq, out))
             if out.finish_reason is not None:
                 finished.append(rid)
         for rid in finished:
@@ -296,8 +301,12 @@ class FakeEngine:
             self._admit()
         else:
             self._arm()
-        for sink, out in delivered:
-            sink(out)
+        for seq, out in delivered:
+            step_tokens = seq.step_tokens
+            if step_tokens is not None and out.finish_reason is None:
+                step_tokens(out.token_ids)
+            else:
+                seq.sink(out)
 
     def _advance(self, seq: _Sequence, now: float) -> EngineOutput:
         """The next token of one running request, as its output (finished when it ends)."""

@@ -119,6 +119,17 @@ class SessionRequest:
             session._fail(self.handle, event)
             self._end(map_exception(event).code.name)
 
+    def step_tokens(self, token_ids: list[int]) -> None:
+        """The run's plain token ids of one step (see :meth:`EngineRun.step_tokens`): into the
+        session's frame like a :class:`Delta` without logprobs."""
+        session = self.session
+        frame_tokens = session._frame.tokens
+        tokens = frame_tokens.get(self.handle)
+        if tokens is None:
+            tokens = frame_tokens[self.handle] = framing.FrameTokens()
+        tokens.token_ids.extend(token_ids)
+        session._schedule()
+
     def _deadline_passed(self) -> None:
         self.timer = None
         if self.run.done:

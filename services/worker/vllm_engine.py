@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,6 +320,16 @@ class VllmEngine:
                 processor._finish_request(state)
                 if iteration_stats is not None:
                     processor._update_stats_from_finished(state, finish, iteration_stats)
+            else:
+                fast = step_sink.step_tokens
+                if fast is not None and not step_sink.converter.to_skip:
+                    # The steady state: plain token ids, nothing built per request.
+                    try:
+                        fast(out.new_token_ids)
+                    except Exception:
+                        # Raising here would end vLLM's output handler for everyone.
+                        log.exception("output sink of %s raised", out.request_id)
+                    continue
             step_sink.step(out, state)
         if rest:
             return self._vllm_process_outputs(rest, engine_core_timestamp, iteration_stats, *args, **kwargs)
@@ -436,7 +446,7 @@ class _StepSink:
     the handler fails. Converted at once and passed to the worker's sink; after a final or
     an exception nothing more is passed on."""
 
-    __slots__ = ("converter", "done", "internal_id", "live", "sink")
+    __slots__ = ("converter", "done", "internal_id", "live", "sink", "step_tokens")
 
     def __init__(self, converter: _OutputConverter, sink: OutputSink, live: dict[str, _StepSink],
                  internal_id: str) -> None:
@@ -445,6 +455,13 @@ class _StepSink:
         self.live = live
         self.internal_id = internal_id
         self.done = False
+        self.step_tokens: Callable[[list[int]], None] | None = (
+            getattr(sink, "step_tokens", None) if converter.n_logprobs is None else None
+        )
+        """The sink's ``step_tokens`` (a :class:`~services.worker.engine.TokenSink`) for a
+        request without logprobs: a step that does not end it, once no replayed token is
+        left to skip, goes there as the engine core's token ids (see
+        :meth:`VllmEngine._process_outputs`)."""
 
     def put(self, output: Any) -> None:
         """vLLM's collector contract: never blocks; called from the output handler."""
@@ -476,6 +493,7 @@ class _StepSink:
     def end(self, last: EngineOutput | Exception) -> None:
         """Pass on the request's last item (a final or an exception)."""
         self.done = True
+        self.step_tokens = None
         self.live.pop(self.internal_id, None)
         self._deliver(last)
 

@@ -172,3 +172,38 @@ async def test_a_generate_consumer_that_leaves_aborts_in_the_engine_and_frees_it
         while True:
             await anext(doomed)
     assert core.health.engine_dead and core.in_flight_ids() == []
+
+
+async def test_plain_token_ids_reach_either_kind_of_consumer(tiny_deepseek_dir: Path) -> None:
+    """An EngineRun as the engine's TokenSink: plain token ids go to a consumer's own
+    ``step_tokens`` when it has one, else as a Delta (a copy); they are counted like
+    deltas, and once the consumer went away nothing reaches it."""
+    from services.worker.core import EngineRun
+
+    core = WorkerCore(FakeEngine(tiny_deepseek_dir), WorkerIdentity("m", "sha256:x", "cpu", "z", "w", 1))
+    got: list[object] = []
+    run = EngineRun(core, EngineRequest("a", (5, 6)), got.append)
+    engine_ids = [7, 8]
+    run.step_tokens(engine_ids)
+    run.step_tokens([])
+    assert got == [Delta([7, 8], None)] and got[0].token_ids is not engine_ids  # type: ignore[attr-defined]
+
+    class Direct:
+        def __init__(self) -> None:
+            self.plain: list[int] = []
+
+        def __call__(self, event: object) -> None:
+            raise AssertionError(f"not expected: {event!r}")
+
+        def step_tokens(self, token_ids: list[int]) -> None:
+            self.plain.extend(token_ids)
+
+    direct = Direct()
+    run2 = EngineRun(core, EngineRequest("b", (5, 6)), direct)
+    run2.step_tokens([9])
+    run2.step_tokens([10, 11])
+    assert direct.plain == [9, 10, 11] and run2.completion == 3
+    assert core._tokens_produced == 5
+    run2.detach()
+    run2.step_tokens([12])
+    assert direct.plain == [9, 10, 11] and run2.completion == 3

@@ -232,6 +232,41 @@ async def test_a_step_hands_every_running_request_its_token_in_one_callback(tiny
     assert engine._step_handle is None  # idle: no timer
 
 
+async def test_a_token_sink_gets_plain_steps_as_token_ids(tiny_deepseek_dir: Path) -> None:
+    """A sink with ``step_tokens`` gets every token that does not end its request there
+    and the last one as an EngineOutput; a request with logprobs gets EngineOutputs only.
+    The tokens are the same either way."""
+    engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=1)
+
+    class Sink:
+        def __init__(self) -> None:
+            self.plain: list[int] = []
+            self.outputs: list[EngineOutput] = []
+            self.done = asyncio.Event()
+
+        def __call__(self, out: EngineOutput | Exception) -> None:
+            assert isinstance(out, EngineOutput)
+            self.outputs.append(out)
+            if out.finished:
+                self.done.set()
+
+        def step_tokens(self, token_ids: list[int]) -> None:
+            self.plain.extend(token_ids)
+
+        @property
+        def tokens(self) -> list[int]:
+            return self.plain + [t for out in self.outputs for t in out.token_ids]
+
+    plain, with_logprobs = Sink(), Sink()
+    await engine.start(EngineRequest("p", (5, 1), Sampling(max_tokens=6)), plain)
+    await engine.start(EngineRequest("l", (5, 1), Sampling(max_tokens=6, logprobs=1)), with_logprobs)
+    await asyncio.wait_for(asyncio.gather(plain.done.wait(), with_logprobs.done.wait()), 10)
+    assert len(plain.plain) == 5 and len(plain.outputs) == 1
+    assert plain.outputs[0].finish_reason is FinishReason.LENGTH and len(plain.outputs[0].token_ids) == 1
+    assert with_logprobs.plain == [] and len(with_logprobs.outputs) == 6
+    assert plain.tokens == with_logprobs.tokens
+
+
 async def test_kill_and_abort_reach_running_and_waiting_sinks(tiny_deepseek_dir: Path) -> None:
     engine = FakeEngine(tiny_deepseek_dir, token_delay_ms=1, max_running=2)
     got: dict[str, list[EngineOutput | Exception]] = defaultdict(list)

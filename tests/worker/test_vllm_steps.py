@@ -324,6 +324,20 @@ class Recorder:
         return self.last
 
 
+@dataclass
+class StepRecorder(Recorder):
+    """A :class:`Recorder` that is also a ``TokenSink``: plain token ids come to
+    :meth:`step_tokens` (recorded as outputs too, so :attr:`tokens` covers both ways)."""
+
+    plain_steps: int = 0
+
+    def step_tokens(self, token_ids: list[int]) -> None:
+        assert token_ids and not self.done.is_set()
+        self.plain_steps += 1
+        self.items.append((self.calls[0], asyncio.current_task(), EngineOutput(list(token_ids))))
+        self.first.set()
+
+
 def greedy(request_id: str, prompt: list[int], max_tokens: int, **sampling: Any) -> EngineRequest:
     return EngineRequest(request_id, tuple(prompt),
                          Sampling(temperature=0.0, max_tokens=max_tokens, **sampling))
@@ -414,6 +428,42 @@ async def test_greedy_start_equals_generate(counted: Counted) -> None:
         assert (ours.finish_reason, ours.stop_token_id, ours.prompt_tokens, ours.cached_tokens) == (
             theirs.finish_reason, theirs.stop_token_id, theirs.prompt_tokens, theirs.cached_tokens)
         assert ours.queue_ms is not None and ours.ttft_ms is not None and ours.ttft_ms > 0
+
+
+@pytest.mark.engine
+async def test_a_token_sink_gets_plain_steps_as_token_ids(counted: Counted) -> None:
+    """A sink with ``step_tokens`` gets a request's steps that do not end it as the engine
+    core's token ids (in vLLM's output handler, like every other output) and the last one
+    as an EngineOutput: the same tokens and final as a plain sink. A request that asked for
+    logprobs, and the replayed part of a resumed one, keep the general path."""
+    engine = counted.engine
+    handler = engine.llm.output_handler
+    (plain,) = await via_start(counted, [greedy("ts-ref", PROMPTS[2], 16, ignore_eos=True)])
+    stepped = StepRecorder(counted.calls)
+    await engine.start(greedy("ts", PROMPTS[2], 16, ignore_eos=True), stepped)
+    last = await stepped.wait()
+    assert stepped.tokens == plain.tokens and len(stepped.tokens) == 16
+    # Every step but the last one (and a first one that came before the sink was swapped in).
+    assert 14 <= stepped.plain_steps <= 15, stepped.plain_steps
+    assert all(task is handler for _, task, _ in stepped.items)
+    assert isinstance(last, EngineOutput) and last.finish_reason is FinishReason.LENGTH
+    assert last.ttft_ms is not None and last.prompt_tokens == len(PROMPTS[2])
+
+    with_logprobs = StepRecorder(counted.calls)
+    await engine.start(greedy("ts-lp", PROMPTS[2], 6, ignore_eos=True, logprobs=1), with_logprobs)
+    await with_logprobs.wait()
+    assert with_logprobs.plain_steps == 0
+    assert [lp.token_id for out in with_logprobs.outputs for lp in (out.logprobs or [])] == plain.tokens[:6]
+
+    replay = tuple(plain.tokens[:5])
+    resumed = StepRecorder(counted.calls)
+    await engine.start(EngineRequest("ts-replay", tuple(PROMPTS[2]),
+                                     Sampling(temperature=0.0, max_tokens=11, ignore_eos=True),
+                                     replay_token_ids=replay), resumed)
+    await resumed.wait()
+    assert resumed.tokens == plain.tokens[5:]
+    assert 0 < resumed.plain_steps < 11
+    await wait_engine_idle(engine)
 
 
 @pytest.mark.engine
