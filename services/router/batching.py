@@ -107,6 +107,10 @@ class AttemptStream:
     """Set by the consumer for the steady state: deltas go straight to it from the
     worker link's reader, with no queue, no task wake-up and no generator per token;
     the queue then carries only the end (final, error, end of stream)."""
+    on_tokens: Callable[[list[int]], None] | None = None
+    """Set with ``on_delta``: where a worker session's plain token ids (a delta without
+    logprobs, see :data:`~services.router.workerapi.SessionEvent`) go, with no
+    :class:`Delta` built; without it they go to ``on_delta`` as one."""
 
     def push(self, item: object) -> None:
         if not self.done and not self.cancelled:
@@ -124,6 +128,21 @@ class AttemptStream:
                 item, BaseException
             ):
                 self.done = True
+
+    def push_tokens(self, token_ids: list[int]) -> None:
+        """A worker session's plain token ids of this request (see :meth:`push`)."""
+        if self.done or self.cancelled:
+            return
+        on_tokens = self.on_tokens
+        if on_tokens is None:
+            self.push(Delta(token_ids))
+            return
+        try:
+            on_tokens(token_ids)
+        except Exception as exc:
+            # As in push: a bug in the consumer fails this request, not the reader.
+            self.queue.put_nowait(exc)
+            self.done = True
 
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
         """Deltas then one final; raises WorkerCallError if the worker call failed."""
@@ -359,14 +378,18 @@ class BatchDispatcher:
             async for events in link.events():
                 answered = True
                 self.heard_at = loop.time()
+                by_handle = self._by_handle
                 for handle, event in events:
-                    stream = self._by_handle.get(handle)
+                    stream = by_handle.get(handle)
                     if stream is None:
                         continue  # cancelled or aborted by us: late output is dropped
                     stream.submitted = None
+                    if type(event) is list:
+                        stream.push_tokens(event)
+                        continue
                     stream.push(event)
                     if not isinstance(event, Delta):
-                        del self._by_handle[handle]
+                        del by_handle[handle]
         except WorkerCallError as exc:
             error = exc
         except asyncio.CancelledError:

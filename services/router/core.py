@@ -397,6 +397,7 @@ class Router:
     def generate(
         self, route: RouteRequest, timeout: float | None = None,
         on_delta: Callable[[Delta], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> AsyncGenerator[Delta | RouterFinal, None]:
         """Stream deltas then one Final, retrying before and resuming after the first token.
 
@@ -407,9 +408,11 @@ class Router:
         handed to it as the worker link reads them, from the reader's task: the caller's
         task then wakes once per attempt's end, not once per token (the router Session's
         steady state). Failures, retries and resumes run as without it; ``on_delta`` must
-        not block, and it sees no delta after the generator is closed.
+        not block, and it sees no delta after the generator is closed. With ``on_delta``,
+        ``on_tokens`` takes the token ids of deltas without logprobs that come over a
+        worker session, with no :class:`Delta` built for them (the same rules).
         """
-        return _AttemptLoop(self, route, timeout, on_delta).run()
+        return _AttemptLoop(self, route, timeout, on_delta, on_tokens).run()
 
 
 _FAILOVER_POLL_S = 0.025
@@ -429,10 +432,13 @@ class _AttemptLoop:
     def __init__(
         self, router: Router, route: RouteRequest, timeout: float | None,
         on_delta: Callable[[Delta], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.router = router
         self.on_delta = on_delta
         """Where deltas go without being yielded (see :meth:`Router.generate`)."""
+        self.on_tokens = on_tokens if on_delta is not None else None
+        """Where plain token ids go (see :meth:`Router.generate`)."""
         self.route = route
         self.request = route.request
         self.timeout = timeout
@@ -592,6 +598,8 @@ class _AttemptLoop:
         stream = self.router._dispatchers[worker.address].submit(request, self.deadline)
         if self.on_delta is not None:
             stream.on_delta = self._deliver
+            if self.on_tokens is not None:
+                stream.on_tokens = self._deliver_tokens
         self.active.stream = stream
         finished = False
         try:
@@ -640,6 +648,15 @@ class _AttemptLoop:
             self._delivered(delta)
             assert self.on_delta is not None
             self.on_delta(delta)
+
+    def _deliver_tokens(self, token_ids: list[int]) -> None:
+        """:meth:`_deliver` for a worker session's plain token ids (``on_tokens``)."""
+        if token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.produced.extend(token_ids)
+            assert self.on_tokens is not None
+            self.on_tokens(token_ids)
 
     def _delivered(self, delta: Delta) -> None:
         if self.first_token_at is None:

@@ -126,7 +126,17 @@ class RouterSession(framing.FramedSession[Frame]):
                     if self._tasks.get(handle) is task and not deadline.expired():
                         self._add(handle, delta)
 
-                generation = self.router.generate(route, submission.timeout_s, deliver)
+                def deliver_tokens(token_ids: list[int]) -> None:
+                    # deliver() for plain token ids (the steady state), the same rules.
+                    if self._tasks.get(handle) is task and not deadline.expired():
+                        frame_tokens = self._frame.tokens
+                        tokens = frame_tokens.get(handle)
+                        if tokens is None:
+                            tokens = frame_tokens[handle] = FrameTokens()
+                        tokens.token_ids.extend(token_ids)
+                        self._schedule()
+
+                generation = self.router.generate(route, submission.timeout_s, deliver, deliver_tokens)
                 async with contextlib.aclosing(generation) as events:
                     async for event in events:
                         self._add(handle, event)

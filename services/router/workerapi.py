@@ -50,6 +50,10 @@ StreamEvent = Delta | Final
 """What one request's stream delivers: deltas, then one final."""
 WorkerEvent = StreamEvent | WorkerCallError
 """What a worker call yields per request; a WorkerCallError ends that request alone."""
+SessionEvent = WorkerEvent | list[int]
+"""What a worker session yields per request and frame: a plain list is the token ids of a
+delta without logprobs (no :class:`Delta` built for the steady state), else as
+:data:`WorkerEvent`."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,8 @@ class WorkerSessionLink(Protocol):
         """Queue one message carrying these submissions and aborts (never blocks)."""
         ...
 
-    def events(self) -> AsyncIterator[Iterable[tuple[int, WorkerEvent]]]:
-        """Each frame's (handle, delta / final / per-request error) as it arrives, one
+    def events(self) -> AsyncIterator[Iterable[tuple[int, SessionEvent]]]:
+        """Each frame's (handle, token ids / delta / final / per-request error) as it arrives, one
         iterable per frame (the reader takes a frame's requests in one go, not one wake-up
         of an async iterator each); raises WorkerCallError when the session itself breaks."""
         ...

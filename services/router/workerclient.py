@@ -24,7 +24,7 @@ from services.common.generation_convert import (
 from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
 from services.router.registry import Load, WorkerInfo
-from services.router.workerapi import SessionSubmit, WorkerCallError, WorkerEvent
+from services.router.workerapi import SessionEvent, SessionSubmit, WorkerCallError, WorkerEvent
 
 _TRANSPORT = {
     grpc.StatusCode.UNAVAILABLE,
@@ -87,11 +87,12 @@ def info_from_proto(info: worker_pb2.GetModelInfoResponse) -> WorkerInfo:
     )
 
 
-def frame_events(frame: worker_pb2.SessionResponse) -> Iterator[tuple[int, WorkerEvent]]:
+def frame_events(frame: worker_pb2.SessionResponse) -> Iterator[tuple[int, SessionEvent]]:
     """A worker Session frame split into per-request events: each handle's deltas in
-    order, then the finals and errors. A worker names each request once per frame; one
-    that names a request once per engine step (a frame covering several steps) sends as
-    many logprobs entries for it, which are taken in that order."""
+    order (a plain list of token ids for a request without logprobs in the frame, else a
+    :class:`Delta`), then the finals and errors. A worker names each request once per
+    frame; one that names a request once per engine step (a frame covering several
+    steps) sends as many logprobs entries for it, which are taken in that order."""
     # One list of the frame's token ids, sliced per request: plain ints, no per-token
     # message objects.
     token_ids = list(frame.token_ids)
@@ -101,10 +102,11 @@ def frame_events(frame: worker_pb2.SessionResponse) -> Iterator[tuple[int, Worke
     offset = 0
     for handle, count in zip(frame.handles, frame.token_counts, strict=True):
         end = offset + count
-        entries = logprobs.get(handle)
-        yield handle, Delta(
-            token_ids[offset:end], logprobs_from_proto(entries.popleft()) if entries else None
-        )
+        entries = logprobs.get(handle) if logprobs else None
+        if entries:
+            yield handle, Delta(token_ids[offset:end], logprobs_from_proto(entries.popleft()))
+        else:
+            yield handle, token_ids[offset:end]
         offset = end
     for final in frame.finals:
         yield final.handle, final_from_proto(final.final)
@@ -164,7 +166,7 @@ class GrpcSessionLink:
         self._watcher = ""
         self._call.send_or_queue(message, self._outbox)
 
-    async def events(self) -> AsyncIterator[Iterable[tuple[int, WorkerEvent]]]:
+    async def events(self) -> AsyncIterator[Iterable[tuple[int, SessionEvent]]]:
         try:
             async for frame in self._call:
                 if self._on_load is not None and frame.HasField("load"):

@@ -8,6 +8,7 @@ the session aborts the worker requests.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -432,6 +433,44 @@ async def test_tokens_reach_the_frame_without_waking_the_request_task(
         tokens, _ = await rut.generate([7, 7], 5)
         assert tokens == expected_tokens([7, 7], 5)
         assert len(taken) == 6
+    finally:
+        await stop_all(rut, workers)
+
+
+@pytest.mark.parametrize("transport", ["session", "calls"])
+async def test_plain_tokens_cross_the_router_without_a_delta_per_request(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    """Over a worker session the tokens of requests without logprobs reach the router
+    session's frame as plain token ids (push_tokens, no Delta per request and frame);
+    over Generate calls they come as Deltas. Counted, not timed. (A worker frame's
+    requests with logprobs come as Deltas: tests/router/test_units.py.)"""
+    pushed: list[str] = []
+    original_push, original_tokens = batching.AttemptStream.push, batching.AttemptStream.push_tokens
+
+    def push(self: batching.AttemptStream, item: object) -> None:
+        pushed.append(type(item).__name__)
+        original_push(self, item)
+
+    def push_tokens(self: batching.AttemptStream, token_ids: list[int]) -> None:
+        pushed.append("tokens")
+        original_tokens(self, token_ids)
+
+    monkeypatch.setattr(batching.AttemptStream, "push", push)
+    monkeypatch.setattr(batching.AttemptStream, "push_tokens", push_tokens)
+    workers = await fakes("zone-a", token_delay_s=0.002)
+    rut = await start_router([(workers[0].address, "zone-a")], worker_transport=transport)
+    try:
+        client = SessionClient(rut.stub)
+        await client.send([submit(1, [6, 1], 12), submit(2, [6, 2], 12)])
+        await client.until_ended([1, 2])
+        assert client.outcomes[1].tokens == expected_tokens([6, 1], 12)
+        assert client.outcomes[2].tokens == expected_tokens([6, 2], 12)
+        counts = Counter(pushed)
+        if transport == "session":
+            assert counts["tokens"] >= 20 and counts["Delta"] == 0, counts
+        else:
+            assert counts["tokens"] == 0 and counts["Delta"] >= 22, counts
     finally:
         await stop_all(rut, workers)
 

@@ -565,15 +565,64 @@ def _logprobs(handle: int, *token_ids: int) -> worker_pb2.SessionLogprobs:
 def test_a_worker_frame_pairs_each_requests_tokens_with_their_own_logprobs() -> None:
     """A frame that names a request once per engine step (as workers did when a frame
     covered several steps) carries a logprobs entry per naming: each delta gets its own,
-    in order, not the last one for every naming. Requests without logprobs get None."""
+    in order, not the last one for every naming. A request without logprobs gets its
+    plain token ids (a list, no Delta)."""
     frame = worker_pb2.SessionResponse(
         handles=[7, 9, 7, 7], token_counts=[1, 2, 1, 2], token_ids=[1214, 5, 6, 60, 1248, 1038],
         logprobs=[_logprobs(7, 1214), _logprobs(7, 60), _logprobs(7, 1248, 1038)],
     )
     events = list(frame_events(frame))
     assert [handle for handle, _ in events] == [7, 9, 7, 7]
-    deltas = [event for _, event in events]
+    deltas = [event for handle, event in events if handle == 7]
     assert all(isinstance(d, Delta) for d in deltas)
-    assert [d.token_ids for d in deltas] == [[1214], [5, 6], [60], [1248, 1038]]  # type: ignore[union-attr]
-    got = [None if d.logprobs is None else [lp.token_id for lp in d.logprobs] for d in deltas]  # type: ignore[union-attr]
-    assert got == [[1214], None, [60], [1248, 1038]]
+    assert [d.token_ids for d in deltas] == [[1214], [60], [1248, 1038]]  # type: ignore[union-attr]
+    got = [[lp.token_id for lp in d.logprobs or []] for d in deltas]  # type: ignore[union-attr]
+    assert got == [[1214], [60], [1248, 1038]]
+    assert events[1] == (9, [5, 6])
+    plain = worker_pb2.SessionResponse(handles=[3, 4], token_counts=[2, 1], token_ids=[8, 9, 10])
+    assert list(frame_events(plain)) == [(3, [8, 9]), (4, [10])]
+
+
+async def test_an_attempt_streams_plain_token_ids_where_its_consumer_takes_them() -> None:
+    """A worker session's plain token ids go to ``on_tokens`` (no Delta built), else to
+    ``on_delta`` or the queue as a Delta; a consumer that raises fails that request
+    alone (its events() raise it) and nothing more is taken for it."""
+    from services.router.batching import AttemptStream
+
+    def stream() -> AttemptStream:
+        return AttemptStream("r", dispatcher=None)  # type: ignore[arg-type]  # not used here
+
+    direct = stream()
+    plain: list[list[int]] = []
+    deltas: list[Delta] = []
+    direct.on_delta, direct.on_tokens = deltas.append, plain.append
+    direct.push_tokens([1, 2])
+    assert plain == [[1, 2]] and deltas == [] and direct.queue.empty()
+
+    via_delta = stream()
+    via_delta.on_delta = deltas.append
+    via_delta.push_tokens([3])
+    assert deltas == [Delta([3])] and via_delta.queue.empty()
+
+    queued = stream()
+    queued.push_tokens([4])
+    assert queued.queue.get_nowait() == Delta([4])
+
+    failing = stream()
+
+    def broken(token_ids: list[int]) -> None:
+        raise RuntimeError("consumer bug")
+
+    failing.on_delta, failing.on_tokens = deltas.append, broken
+    failing.push_tokens([5])
+    failing.push_tokens([6])
+    assert failing.done and failing.queue.qsize() == 1
+    with pytest.raises(RuntimeError, match="consumer bug"):
+        async for _ in failing.events():
+            pass
+
+    cancelled = stream()
+    cancelled.on_delta, cancelled.on_tokens = deltas.append, plain.append
+    cancelled.cancelled = True
+    cancelled.push_tokens([7])
+    assert plain == [[1, 2]]
