@@ -87,7 +87,9 @@ class RouterTier(Protocol):
     ) -> AsyncIterator[RouterDelta | RouterFinal]:
         """The request's deltas, then its final. With ``on_delta`` a tier may hand the
         deltas to it instead, in order and before the final, from its frame reader
-        (nothing woken per frame); the caller takes either."""
+        (nothing woken per frame); the caller takes either. An ``on_delta`` with a
+        ``step_tokens(token_ids)`` method may get a delta without logprobs as its plain
+        token ids there instead (a router session's frames)."""
         ...
 
     async def abort(self, replica: int, request_id: str) -> None: ...
@@ -473,6 +475,22 @@ def _failure_kind(exc: LlmeshError) -> str:
     return "rejected"
 
 
+class _RouterSink:
+    """A stream's ``on_delta`` for the router tier (see :meth:`RouterTier.generate`):
+    called with a :class:`RouterDelta`, and its :attr:`step_tokens` with a router
+    session frame's plain token ids."""
+
+    __slots__ = ("on_delta", "step_tokens")
+
+    def __init__(self, on_delta: Callable[[RouterDelta], None],
+                 step_tokens: Callable[[list[int]], None]) -> None:
+        self.on_delta = on_delta
+        self.step_tokens = step_tokens
+
+    def __call__(self, delta: RouterDelta) -> None:
+        self.on_delta(delta)
+
+
 class _Stream:
     """One request's pump between the router stream and the postprocessor stream."""
 
@@ -591,7 +609,7 @@ class _Stream:
                     await self.events.put(("post_failed", None, gen))
                     return
                 if isinstance(item, PostDelta):
-                    self._on_text(gen, item)
+                    self._on_text(gen, item.text)
                     continue
                 await self.events.put(("post", item, gen))
                 return
@@ -670,7 +688,8 @@ class _Stream:
         the final. Raises TierUnavailable when the replica fails before its final."""
         stream = self.core.router.generate(
             self.router_replica, self.generation, resume_token_ids=list(self.tokens),
-            resumed=self.resumed, timeout=self.deadline.remaining(), on_delta=self._on_tokens,
+            resumed=self.resumed, timeout=self.deadline.remaining(),
+            on_delta=_RouterSink(self._on_tokens, self._on_token_ids),
         )
         async for event in stream:
             if isinstance(event, RouterDelta):
@@ -785,24 +804,34 @@ class _Stream:
         except Exception as exc:
             self.events.put_nowait(("error", _unexpected("router", exc), 0))
 
+    def _on_token_ids(self, token_ids: list[int]) -> None:
+        """:meth:`_on_tokens` for a router session frame's plain token ids (no logprobs)."""
+        try:
+            self.tokens.extend(token_ids)
+            if self.want_tokens:
+                self.pending_ids.extend(token_ids)
+            self._forward()
+        except Exception as exc:
+            self.events.put_nowait(("error", _unexpected("router", exc), 0))
+
     def _take_tokens(self, delta: RouterDelta) -> None:
         self.tokens.extend(delta.token_ids)
         if self.want_tokens:
             self.pending_ids.extend(delta.token_ids)
             self.pending_logprobs.extend(delta.logprobs)
 
-    def _on_text(self, gen: int, delta: PostDelta) -> None:
+    def _on_text(self, gen: int, text: str) -> None:
         """Text released by the postprocessor, held for the next delta; wakes the pump only
         when a delta is due. Runs inside the session's frame reader: never raises."""
-        if gen != self.session_gen or not delta.text:
+        if gen != self.session_gen or not text:
             return  # from a replaced postprocessor session
         try:
             first = self.first_text_at is None
             if first:
                 self.first_text_at = time.monotonic()
             # Released by the postprocessor: a replacement replica skips these.
-            self.sent_chars += len(delta.text)
-            self.held_parts.append(delta.text)
+            self.sent_chars += len(text)
+            self.held_parts.append(text)
             if self.want_tokens:
                 self.held.token_ids += self.pending_ids
                 self.held.logprobs += self.pending_logprobs

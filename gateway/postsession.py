@@ -66,7 +66,7 @@ class SessionPost:
         """The Process call this request moved to (its replica has no Session)."""
         self._open_call = open_call
         """Opens that call: ``await open_call(timeout=...)``."""
-        self.on_text: Callable[[PostDelta], None] | None = None
+        self.on_text: Callable[[str], None] | None = None
         """Where the request's text goes as its frames arrive (see :meth:`listen`)."""
         self._expiry: asyncio.TimerHandle | None = None
         """One timer for the request's deadline (not a timeout around every read: reads
@@ -141,7 +141,7 @@ class SessionPost:
         if self._check():
             self.link.end(self.handle, convert.upstream_finish(finish_reason))
 
-    def listen(self, on_text: Callable[[PostDelta], None]) -> None:
+    def listen(self, on_text: Callable[[str], None]) -> None:
         """Hand the request's text to ``on_text`` from the frame reader, as it arrives
         (no queue, no task woken per frame); :meth:`read` then returns only the final or
         raises the error. After a move to a Process call, read() returns its text too."""
@@ -192,12 +192,21 @@ class SessionPost:
         self.link.release(self, tell=not self.finished)
 
     # called by the link's reader
+    def deliver_text(self, text: str) -> None:
+        """A frame's text of this request: :meth:`deliver` without a PostDelta when the
+        text goes to :attr:`on_text`."""
+        on_text = self.on_text
+        if on_text is None or self.finished:
+            self.deliver(PostDelta(text=text))
+        else:
+            on_text(text)
+
     def deliver(self, item: PostItem) -> None:
         if self.finished:
             return
         if isinstance(item, PostDelta):
             if self.on_text is not None:
-                self.on_text(item)
+                self.on_text(item.text)
                 return
         else:
             self.finished = True
@@ -264,7 +273,7 @@ class _SessionLink(SessionLink[postprocess_pb2.SessionRequest, postprocess_pb2.S
         for handle, text in zip(frame.handles, frame.texts, strict=True):
             request = requests.get(handle)
             if request is not None:  # else: closed meanwhile
-                request.deliver(PostDelta(text=text))
+                request.deliver_text(text)
         for final in frame.finals:
             self._finish(final.handle, convert.post_final(final.final))
         for error in frame.errors:

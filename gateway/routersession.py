@@ -53,9 +53,12 @@ _Item = RouterDelta | RouterFinal | errors.LlmeshError
 
 class RequestEvents(asyncio.Queue[_Item]):
     """The events of one request on a link, in order; its deltas go straight to
-    :attr:`on_delta` when one is set (nothing queued or woken per frame)."""
+    :attr:`on_delta` when one is set (nothing queued or woken per frame), and the token
+    ids of a frame that carries no logprobs for it to :attr:`step_tokens` when that is
+    set too (no RouterDelta built)."""
 
     on_delta: Callable[[RouterDelta], None] | None = None
+    step_tokens: Callable[[list[int]], None] | None = None
 
     def deliver(self, item: _Item) -> None:
         if self.on_delta is not None and isinstance(item, RouterDelta):
@@ -115,10 +118,14 @@ class RouterSessionLink(SessionLink[router_pb2.SessionRequest, router_pb2.Sessio
             queue = queues.get(handle)
             if queue is not None:  # else aborted by us: late tokens are dropped
                 entries = logprobs.get(handle) if logprobs else None
-                queue.deliver(RouterDelta(
-                    token_ids=token_ids[offset:end],
-                    logprobs=convert.logprobs_from_common(entries) if entries else [],
-                ))
+                step_tokens = queue.step_tokens
+                if step_tokens is not None and not entries:
+                    step_tokens(token_ids[offset:end])
+                else:
+                    queue.deliver(RouterDelta(
+                        token_ids=token_ids[offset:end],
+                        logprobs=convert.logprobs_from_common(entries) if entries else [],
+                    ))
             offset = end
         for final in frame.finals:
             self._finish(final.handle, generation_convert.router_final_from_proto(final.final))
@@ -180,6 +187,8 @@ class SessionRouterTier(GrpcRouterTier):
         link = self.link(replica)
         handle, queue = link.submit(message, timeout, current_traceparent())  # this request's span
         queue.on_delta = on_delta
+        # A TokenSink-like on_delta (see gateway.core.RouterTier.generate) takes plain ids.
+        queue.step_tokens = getattr(on_delta, "step_tokens", None) if on_delta is not None else None
         # The router enforces the deadline (and answers DEADLINE_EXCEEDED); this timer is
         # the guard for a router that stops answering without breaking the call.
         timer = None
