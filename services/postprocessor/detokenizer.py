@@ -96,7 +96,9 @@ class IncrementalDetokenizer:
         token at a time, so no text is released later than token by token would. A delta
         of several tokens then costs one decode of the window, not one per token."""
         count = len(token_ids)
-        if count == 1 or self.held_tokens + count > self.max_held_tokens:
+        if count == 1:
+            return self.add(token_ids)
+        if self.held_tokens + count > self.max_held_tokens:
             # (Past the hold limit, where the held text is cut depends on the token.)
             return "".join([self.add((token,)) for token in token_ids])
         start = len(self.token_ids)
