@@ -89,6 +89,16 @@ class FramedSession(ABC, Generic[FrameT]):
         self._frame = self._new_frame()
         self._ready = asyncio.Event()
         self._flush_scheduled = False
+        self.direct: Callable[[FrameT], bool] | None = None
+        """Writes a frame to the caller at once and says whether it could (a framed
+        listener's :class:`~services.common.sessionwire.FramedContext`): set by the
+        servicer, frames then go out from the flush callback, without waking the task
+        that iterates :meth:`frames`. A frame it cannot take (the connection is backed
+        up), or that fails, goes through :meth:`frames`, and so do the ones after it
+        until :meth:`frames` has yielded it: the order holds."""
+        self._held: list[FrameT] = []
+        """Frames that go through :meth:`frames` (see :attr:`direct`)."""
+        self._yielding = False
         self._input_done = False
         self.frames_sent = 0
 
@@ -116,17 +126,28 @@ class FramedSession(ABC, Generic[FrameT]):
         self._schedule()
 
     async def frames(self) -> AsyncIterator[FrameT]:
-        """Frames as requests produce events, until input is done and nothing runs."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            self._flush_scheduled = False
-            frame, self._frame = self._frame, self._new_frame()
-            if self._has_content(frame):
-                self.frames_sent += 1
-                yield frame
-            if self._input_done and not self.running and not self._has_content(self._frame):
-                return
+        """Frames as requests produce events, until input is done and nothing runs
+        (with :attr:`direct` set, only those it could not write)."""
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                self._flush_scheduled = False
+                self._yielding = True
+                try:
+                    while self._held:
+                        self.frames_sent += 1
+                        yield self._held.pop(0)
+                    frame, self._frame = self._frame, self._new_frame()
+                    if self._has_content(frame):
+                        self.frames_sent += 1
+                        yield frame
+                finally:
+                    self._yielding = False
+                if self._input_done and not self.running and not self._has_content(self._frame):
+                    return
+        finally:
+            self.direct = None
 
     @contextlib.asynccontextmanager
     async def reading(
@@ -222,7 +243,31 @@ class FramedSession(ABC, Generic[FrameT]):
     def _schedule(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._ready.set)
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """The frame filled in this loop turn goes out: written by :attr:`direct` when it
+        can be, else (and at the end of input) by waking :meth:`frames`."""
+        direct = self.direct
+        if direct is None or self._held or self._yielding:
+            self._ready.set()
+            return
+        self._flush_scheduled = False
+        frame = self._frame
+        if self._has_content(frame):
+            self._frame = self._new_frame()
+            try:
+                written = direct(frame)
+            except Exception:
+                # Through frames(), where the servicer's own conversion raises it again.
+                written = False
+            if not written:
+                self._held.append(frame)
+                self._ready.set()
+                return
+            self.frames_sent += 1
+        if self._input_done and not self.running:
+            self._ready.set()
 
     def _refuse(self, handle: int, error: Exception) -> None:
         """A submission refused before it started: counted, and its error sent."""

@@ -15,7 +15,7 @@ from services.worker import convert
 from services.worker.core import Failed, Final, WorkerCore
 from services.worker.engine import EngineRequest
 from services.worker.loadclock import LoadClock, LoadClocks
-from services.worker.session import WorkerSession, annotate_final
+from services.worker.session import Frame, WorkerSession, annotate_final
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -92,15 +92,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 session.abort(handle)
 
         loop = asyncio.get_running_loop()
+
+        def message_for(frame: Frame) -> worker_pb2.SessionResponse:
+            message = convert.frame_to_proto(frame)
+            clock = self.load_clocks.get(watcher)
+            if clock is not None and clock.frame_due(now := loop.time()):
+                message.load.CopyFrom(convert.load_to_proto(core.load()))
+                clock.sent(now, on_frame=True)
+            return message
+
+        write_now = getattr(context, "write_now", None)
+        if write_now is not None:  # a framed listener: frames go out from the flush
+            session.direct = lambda frame: write_now(message_for(frame))
         # Leaving (the caller went away) aborts what still runs.
         async with session.reading(request_iterator, receive):
             async for frame in session.frames():
-                message = convert.frame_to_proto(frame)
-                clock = self.load_clocks.get(watcher)
-                if clock is not None and clock.frame_due(now := loop.time()):
-                    message.load.CopyFrom(convert.load_to_proto(core.load()))
-                    clock.sent(now, on_frame=True)
-                yield message
+                yield message_for(frame)
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -123,3 +123,82 @@ async def test_taskless_requests_hold_their_handle_until_ended_and_are_counted()
     assert "handle 5 is already running" in str(events[0][1])
     assert session.running == 0
     assert count("OK") == ok_before + 1 and count("DEADLINE_EXCEEDED") == deadline_before + 1
+
+
+async def test_frames_go_out_directly_and_what_the_writer_refuses_comes_in_order() -> None:
+    """With ``direct`` set, each loop turn's frame is written from the flush callback
+    (frames() yields nothing). A frame the writer refuses (a backed-up connection) or
+    fails on goes through frames(), and so do the frames after it until frames() has
+    yielded it: the caller gets every event once, in order. At the end frames() returns
+    and the writer is dropped."""
+    session = Session()
+    written: list[list[tuple[int, object]]] = []
+    refuse = {"next": 0}
+
+    def direct(frame: list[tuple[int, object]]) -> bool:
+        if refuse["next"]:
+            refuse["next"] -= 1
+            return False
+        if any(name == "boom" for _, name in frame):
+            raise RuntimeError("conversion failed")
+        written.append(frame)
+        return True
+
+    session.direct = direct
+    yielded: list[list[tuple[int, object]]] = []
+
+    async def consume() -> None:
+        async for frame in session.frames():
+            yielded.append(frame)
+
+    consumer = asyncio.ensure_future(consume())
+    for handle, name in [(1, "a"), (2, "b"), (3, "boom"), (4, "c"), (5, "d")]:
+        session.submit(handle, name)
+    await asyncio.sleep(0)
+    session.gates[1].set()
+    await asyncio.sleep(0.01)
+    assert written == [[(1, "a")]] and yielded == []
+
+    refuse["next"] = 1
+    session.gates[2].set()
+    await asyncio.sleep(0.01)
+    assert yielded == [[(2, "b")]]  # refused: through frames()
+
+    session.gates[3].set()
+    await asyncio.sleep(0.01)
+    assert yielded == [[(2, "b")], [(3, "boom")]]  # failed: through frames() as well
+
+    session.gates[4].set()
+    await asyncio.sleep(0.01)
+    assert written == [[(1, "a")], [(4, "c")]]  # direct again once nothing is held
+    session.input_done()
+    session.gates[5].set()
+    await asyncio.wait_for(consumer, 2)
+    assert written[-1] == [(5, "d")]
+    events = [e for frame in written + yielded for e in frame]
+    assert sorted(h for h, _ in events) == [1, 2, 3, 4, 5]
+    assert session.direct is None and session.frames_sent == 5
+
+
+async def test_a_held_frame_keeps_later_frames_behind_it() -> None:
+    """While frames() has not yielded a held frame (its task has not run yet), a later
+    frame is not written ahead of it."""
+    session = Session()
+    written: list[object] = []
+    answers = iter([False, True, True])
+    session.direct = lambda frame: next(answers) and not written.append(frame)  # type: ignore[func-returns-value]
+    order: list[object] = []
+    for handle in (1, 2):
+        session.submit(handle, f"r{handle}")
+    await asyncio.sleep(0)
+    session.gates[1].set()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # r1 refused: held; frames() is not being iterated yet
+    session.gates[2].set()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert written == []  # r2 went behind r1, not ahead of it
+    session.input_done()
+    async for frame in session.frames():
+        order.extend(frame)
+    assert [name for _, name in order] == ["r1", "r2"]

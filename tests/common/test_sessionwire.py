@@ -546,3 +546,36 @@ def test_a_tls_session_on_uvloop(certs: Path) -> None:
         assert loop.run_until_complete(session()) == [1, 2]
     finally:
         loop.close()
+
+
+class WriteNowSessions(EchoSessions):
+    """Answers each submission with write_now when its context has it (the framed
+    listener), else by yielding; records which way each went."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.direct: list[int] = []
+
+    async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest], context: Any
+                      ) -> AsyncIterator[worker_pb2.SessionResponse]:
+        write_now = getattr(context, "write_now", None)
+        async for message in requests:
+            for sub in message.submit:
+                response = worker_pb2.SessionResponse(handles=[sub.handle], token_counts=[1],
+                                                      token_ids=[sub.handle])
+                if write_now is not None and write_now(response):
+                    self.direct.append(sub.handle)
+                else:
+                    yield response
+
+
+@pytest.mark.parametrize("listener", [True, False])
+async def test_a_handler_writes_responses_at_once_over_the_listener(listener: bool) -> None:
+    """The framed listener's context writes a response from the handler at once, in
+    order with yielded ones; gRPC's context has no write_now, so the handler yields."""
+    handler = WriteNowSessions()
+    async with Peer(handler, listener=listener) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1, 2), submit(3)))
+        assert await handles_of(call) == [1, 2, 3]
+        assert call.framed is listener
+        assert handler.direct == ([1, 2, 3] if listener else [])
