@@ -375,12 +375,18 @@ class _Connection(asyncio.Protocol):
         code = "OK"
         transport = self.transport
         assert transport is not None
-        responses = entry.handler(self._requests(entry.request_type), FramedContext(self))
+        context = FramedContext(self)
+        responses = entry.handler(self._requests(entry.request_type), context)
         try:
-            async for response in responses:
-                transport.write(frame(MESSAGE, response.SerializeToString()))
-                if self._paused or transport.is_closing():
-                    await self._drain()
+            try:
+                async for response in responses:
+                    transport.write(frame(MESSAGE, response.SerializeToString()))
+                    if self._paused or transport.is_closing():
+                        await self._drain()
+            finally:
+                # Whatever still runs of the handler (its clean-up) writes nothing after
+                # the status.
+                context.open = False
             transport.write(status_frame(grpc.StatusCode.OK, ""))
         except (asyncio.CancelledError, ConnectionError):
             code = "CANCELLED"
@@ -413,16 +419,18 @@ class FramedContext:
     uses it keeps yielding what :meth:`write_now` refused, and the order is its own to
     keep (:attr:`services.common.framing.FramedSession.direct` does)."""
 
-    __slots__ = ("_connection",)
+    __slots__ = ("_connection", "open")
 
     def __init__(self, connection: _Connection) -> None:
         self._connection = connection
+        self.open = True
+        """False once the handler's responses ended: the call's status comes next."""
 
     def write_now(self, message: Message) -> bool:
-        """Write ``message`` now if the connection can take it (not backed up, not
-        closing); False (nothing written) otherwise."""
+        """Write ``message`` now if the call is still answering and the connection can
+        take it (not backed up, not closing); False (nothing written) otherwise."""
         connection = self._connection
-        if not connection.writable():
+        if not self.open or not connection.writable():
             return False
         transport = connection.transport
         assert transport is not None

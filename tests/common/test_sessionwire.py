@@ -583,3 +583,27 @@ async def test_a_handler_writes_responses_at_once_over_the_listener(listener: bo
         assert await handles_of(call) == [1, 2, 3]
         assert call.framed is listener
         assert handler.direct == ([1, 2, 3] if listener else [])
+
+
+async def test_nothing_is_written_at_once_after_the_handler_ended() -> None:
+    """Once the handler's responses end (here with an error), its context writes
+    nothing more: the status is the call's last frame."""
+    contexts: list[Any] = []
+
+    class Failing(EchoSessions):
+        async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest], context: Any
+                          ) -> AsyncIterator[worker_pb2.SessionResponse]:
+            contexts.append(context)
+            async for message in requests:
+                yield worker_pb2.SessionResponse(handles=[message.submit[0].handle], token_counts=[0])
+                raise InvalidArgument("submit.handle", "refused after one answer")
+
+    async with Peer(Failing()) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(5), hold=asyncio.Event()))
+        got: list[int] = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect_handles(call, got)
+        assert got == [5] and info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        (context,) = contexts
+        assert context.open is False
+        assert context.write_now(worker_pb2.SessionResponse(handles=[6])) is False
