@@ -20,7 +20,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -694,7 +694,7 @@ class _Stream:
         async for event in stream:
             if isinstance(event, RouterDelta):
                 # Yielded (a Generate call): this task is awake anyway, so it writes.
-                self._take_tokens(event)
+                self._take_tokens(event.token_ids, event.logprobs)
                 async with self.lock:
                     await self._send_pending()
             else:
@@ -798,27 +798,22 @@ class _Stream:
     def _on_tokens(self, delta: RouterDelta) -> None:
         """The router's tokens, on to the postprocessor; runs inside the router link's
         frame reader (or this request's attempt): never raises."""
+        self._on_token_ids(delta.token_ids, delta.logprobs)
+
+    def _on_token_ids(self, token_ids: list[int], logprobs: Sequence[TokenLogprob] = ()) -> None:
+        """The router's token ids (and their logprobs, when a delta carries them) on to the
+        postprocessor: a router session frame's plain ids come here directly."""
         try:
-            self._take_tokens(delta)
+            self._take_tokens(token_ids, logprobs)
             self._forward()
         except Exception as exc:
             self.events.put_nowait(("error", _unexpected("router", exc), 0))
 
-    def _on_token_ids(self, token_ids: list[int]) -> None:
-        """:meth:`_on_tokens` for a router session frame's plain token ids (no logprobs)."""
-        try:
-            self.tokens.extend(token_ids)
-            if self.want_tokens:
-                self.pending_ids.extend(token_ids)
-            self._forward()
-        except Exception as exc:
-            self.events.put_nowait(("error", _unexpected("router", exc), 0))
-
-    def _take_tokens(self, delta: RouterDelta) -> None:
-        self.tokens.extend(delta.token_ids)
+    def _take_tokens(self, token_ids: list[int], logprobs: Sequence[TokenLogprob] = ()) -> None:
+        self.tokens.extend(token_ids)
         if self.want_tokens:
-            self.pending_ids.extend(delta.token_ids)
-            self.pending_logprobs.extend(delta.logprobs)
+            self.pending_ids.extend(token_ids)
+            self.pending_logprobs.extend(logprobs)
 
     def _on_text(self, gen: int, text: str) -> None:
         """Text released by the postprocessor, held for the next delta; wakes the pump only

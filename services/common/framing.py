@@ -68,6 +68,14 @@ class FrameTokens:
             self.logprobs.extend(logprobs)
 
 
+def tokens_of(frame_tokens: dict[int, FrameTokens], handle: int) -> FrameTokens:
+    """The entry of ``handle`` in a frame's tokens, made when the frame has none yet."""
+    tokens = frame_tokens.get(handle)
+    if tokens is None:
+        tokens = frame_tokens[handle] = FrameTokens()
+    return tokens
+
+
 class FramedSession(ABC, Generic[FrameT]):
     """The requests of one session and the frame being filled for them."""
 

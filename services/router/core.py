@@ -609,7 +609,7 @@ class _AttemptLoop:
                 async for event in events:
                     if isinstance(event, Delta):
                         if event.token_ids or event.logprobs:
-                            self._delivered(event)
+                            self._delivered(event.token_ids)
                             yield event
                         continue
                     if self.active.aborted:
@@ -645,23 +645,22 @@ class _AttemptLoop:
         """A delta straight from the worker link (``on_delta``): accounted for (resume
         replays it) and passed on, in the reader's task."""
         if delta.token_ids or delta.logprobs:
-            self._delivered(delta)
+            self._delivered(delta.token_ids)
             assert self.on_delta is not None
             self.on_delta(delta)
 
     def _deliver_tokens(self, token_ids: list[int]) -> None:
         """:meth:`_deliver` for a worker session's plain token ids (``on_tokens``)."""
         if token_ids:
-            if self.first_token_at is None:
-                self.first_token_at = time.monotonic()
-            self.produced.extend(token_ids)
+            self._delivered(token_ids)
             assert self.on_tokens is not None
             self.on_tokens(token_ids)
 
-    def _delivered(self, delta: Delta) -> None:
+    def _delivered(self, token_ids: list[int]) -> None:
+        """Account for tokens passed on: the first token's time, and what resume replays."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self.produced.extend(delta.token_ids)
+        self.produced.extend(token_ids)
 
     def _failed(self, worker: WorkerState, exc: WorkerCallError) -> None:
         """Account for an attempt that failed; raises when the request cannot move on."""

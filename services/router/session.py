@@ -94,10 +94,7 @@ class RouterSession(framing.FramedSession[Frame]):
 
     def _add(self, handle: int, event: Delta | RouterFinal) -> None:
         if isinstance(event, Delta):
-            tokens = self._frame.tokens.get(handle)
-            if tokens is None:
-                tokens = self._frame.tokens[handle] = FrameTokens()
-            tokens.add(event.token_ids, event.logprobs)
+            framing.tokens_of(self._frame.tokens, handle).add(event.token_ids, event.logprobs)
         else:
             self._frame.finals.append((handle, event))
         self._schedule()
@@ -129,11 +126,7 @@ class RouterSession(framing.FramedSession[Frame]):
                 def deliver_tokens(token_ids: list[int]) -> None:
                     # deliver() for plain token ids (the steady state), the same rules.
                     if self._tasks.get(handle) is task and not deadline.expired():
-                        frame_tokens = self._frame.tokens
-                        tokens = frame_tokens.get(handle)
-                        if tokens is None:
-                            tokens = frame_tokens[handle] = FrameTokens()
-                        tokens.token_ids.extend(token_ids)
+                        framing.tokens_of(self._frame.tokens, handle).token_ids.extend(token_ids)
                         self._schedule()
 
                 generation = self.router.generate(route, submission.timeout_s, deliver, deliver_tokens)

@@ -104,10 +104,7 @@ class SessionRequest:
         """The run's consumer (called from the engine's step callback)."""
         session = self.session
         if isinstance(event, Delta):
-            tokens = session._frame.tokens.get(self.handle)
-            if tokens is None:
-                tokens = session._frame.tokens[self.handle] = framing.FrameTokens()
-            tokens.add(event.token_ids, event.logprobs)
+            framing.tokens_of(session._frame.tokens, self.handle).add(event.token_ids, event.logprobs)
             session._schedule()
         elif isinstance(event, Final):
             annotate_final(self.span, event)
@@ -123,11 +120,7 @@ class SessionRequest:
         """The run's plain token ids of one step (see :meth:`EngineRun.step_tokens`): into the
         session's frame like a :class:`Delta` without logprobs."""
         session = self.session
-        frame_tokens = session._frame.tokens
-        tokens = frame_tokens.get(self.handle)
-        if tokens is None:
-            tokens = frame_tokens[self.handle] = framing.FrameTokens()
-        tokens.token_ids.extend(token_ids)
+        framing.tokens_of(session._frame.tokens, self.handle).token_ids.extend(token_ids)
         session._schedule()
 
     def _deadline_passed(self) -> None:
