@@ -137,19 +137,9 @@ class PostprocessMux:
             for handle, ids in message.tokens:
                 request = requests.get(handle)
                 if request is not None and len(ids) < budget:
-                    # The steady state (an open request's tokens of one step): what
-                    # _feed does, without its closure and lookups.
+                    # The steady state: an open request's tokens of one step, in one go.
                     budget -= len(ids)
-                    try:
-                        step = request.session.feed(ids)
-                    except Exception as exc:
-                        self._fail(frame, handle, exc)
-                        continue
-                    fed[request.tokens] = fed.get(request.tokens, 0) + len(ids)
-                    if step.final is None:
-                        frame.text(handle, step.text)
-                    else:
-                        self._emit(frame, handle, request, step)
+                    self._feed_open(frame, handle, request, ids)
                     continue
                 offset = 0
                 while True:
@@ -209,13 +199,20 @@ class PostprocessMux:
         self._requests[handle] = _Request(session, span, tokens=metrics.TOKENS.labels(session.model.name))
 
     def _feed(self, frame: Frame, handle: int, ids: Sequence[int]) -> None:
-        def feed(request: _Request) -> Step:
-            step = request.session.feed(ids)
-            fed = self._fed
-            fed[request.tokens] = fed.get(request.tokens, 0) + len(ids)
-            return step
+        request = self._lookup(frame, handle, "handles")
+        if request is not None:
+            self._feed_open(frame, handle, request, ids)
 
-        self._apply(frame, handle, "handles", feed)
+    def _feed_open(self, frame: Frame, handle: int, request: _Request, ids: Sequence[int]) -> None:
+        """Feed an open request: its text (or final) into the frame, a failure its error."""
+        try:
+            step = request.session.feed(ids)
+        except Exception as exc:
+            self._fail(frame, handle, exc)
+            return
+        fed = self._fed
+        fed[request.tokens] = fed.get(request.tokens, 0) + len(ids)
+        self._emit(frame, handle, request, step)
 
     def _end(self, frame: Frame, handle: int, reason: UpstreamFinish) -> None:
         self._apply(frame, handle, "ends.handle", lambda request: request.session.end(reason))
