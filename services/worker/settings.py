@@ -118,7 +118,9 @@ class WorkerSettings(ServerSettings):
     Off by default: vLLM's logger observes its histograms for every output token on every
     engine step (the largest item of the worker's own CPU per step under load, measured in
     docs/benchmarks.md), and the worker's ``llmesh_worker_*`` metrics already carry the
-    engine's running and waiting requests, KV cache use, prefix cache hits, TTFT and tokens."""
+    engine's running and waiting requests, KV cache use, prefix cache hits, TTFT and tokens.
+    Off, the worker also leaves out vLLM's per-token iteration stats, which only that
+    logger reads."""
     cpu_kvcache_space_gb: float | None = None
     """CPU only: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE before the engine starts)."""
     cpu_omp_threads_bind: str = ""

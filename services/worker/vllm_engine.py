@@ -156,10 +156,12 @@ class VllmEngine:
     """Implements :class:`services.worker.engine.Engine` over ``AsyncLLM``."""
 
     def __init__(self, llm: AsyncLLM, stats: SchedulerStatsHolder, *, priority_scheduling: bool,
-                 loras: list[LoraModule]) -> None:
+                 loras: list[LoraModule], vllm_metrics: bool = False) -> None:
         self.llm = llm
         self.stats = stats
         self.priority_scheduling = priority_scheduling
+        self.vllm_metrics = vllm_metrics
+        """Whether vLLM's Prometheus logger reads its iteration stats (see _process_outputs)."""
         self._loras = {m.name: LoRARequest(m.name, m.int_id, m.path) for m in loras}
         self._live: dict[str, _StepSink] = {}
         """Requests started through :meth:`start` that have not had their final, by vLLM's
@@ -205,7 +207,7 @@ class VllmEngine:
         # frontend it leaves to its caller. Nothing changes VLLM_* variables after the start.
         vllm_envs.enable_envs_cache()
         return cls(llm, stats, priority_scheduling=engine_args.get("scheduling_policy") == "priority",
-                   loras=loras or [])
+                   loras=loras or [], vllm_metrics=vllm_metrics)
 
     # -- protocol ----------------------------------------------------------------------
     @property
@@ -291,17 +293,23 @@ class VllmEngine:
         token (no detokenization: stop strings are the postprocessor's; no cumulative
         logprob dicts; no ``RequestOutput``): their ``EngineCoreOutput`` goes to its sink
         as an :class:`EngineOutput` at once. What vLLM keeps per request still happens
-        here: its iteration and request stats (the load figures and vLLM's own metrics
-        come from them), the cached-token count of the first step, and freeing the
-        request's state when the engine core finishes it. Any other request (those of
-        :meth:`generate`, or ones that finished meanwhile) goes through vLLM's own
-        ``process_outputs``."""
+        here: the request's stats (its queue time and TTFT come from them), the
+        cached-token count of the first step, and freeing the request's state when the
+        engine core finishes it. Any other request (those of :meth:`generate`, or ones that
+        finished meanwhile) goes through vLLM's own ``process_outputs``.
+
+        vLLM's per-token iteration stats (generation counts, inter-token latencies) feed
+        only its Prometheus logger (the worker never calls ``do_log_stats``; the load
+        figures come from the scheduler's stats): without ``vllm_metrics`` a step that
+        neither starts a request nor carries engine events (queued, scheduled, preempted)
+        is not counted, a call per request and step less in the output handler."""
         live = self._live
         if not live:
             return self._vllm_process_outputs(outputs, engine_core_timestamp, iteration_stats,
                                               *args, **kwargs)
         processor = self.llm.output_processor
         states = processor.request_states
+        every_step = iteration_stats is not None and self.vllm_metrics
         rest: list[Any] = []
         for out in outputs:
             step_sink = live.get(out.request_id)
@@ -309,7 +317,7 @@ class VllmEngine:
             if state is None or step_sink is None or out.pooling_output is not None:
                 rest.append(out)
                 continue
-            if iteration_stats is not None:
+            if iteration_stats is not None and (every_step or state.is_prefilling or out.events):
                 processor._update_stats_from_output(state, out, engine_core_timestamp, iteration_stats)
             if state.is_prefilling:
                 if out.prefill_stats is not None:
@@ -534,7 +542,8 @@ def check_vllm_internals(llm: Any) -> None:
       ``_update_stats_from_output``, ``_update_stats_from_finished`` and
       ``_finish_request``, the ``RequestState``'s ``is_prefilling``,
       ``num_cached_tokens`` and ``stats`` (``queued_ts``, ``scheduled_ts``,
-      ``first_token_latency``), and the ``EngineCoreOutput`` / ``LogprobsLists`` fields
+      ``first_token_latency``, set by ``_update_stats_from_output`` from a request's first
+      step and its ``events``), and the ``EngineCoreOutput`` / ``LogprobsLists`` fields
       named below.
     """
     from vllm.v1.engine import EngineCoreOutput
@@ -558,7 +567,7 @@ def check_vllm_internals(llm: Any) -> None:
                 if name not in stat_fields]
     missing += [f"EngineCoreOutput.{name}" for name in
                 ("request_id", "new_token_ids", "new_logprobs", "pooling_output", "finish_reason",
-                 "stop_reason", "prefill_stats") if name not in EngineCoreOutput.__struct_fields__]
+                 "stop_reason", "prefill_stats", "events") if name not in EngineCoreOutput.__struct_fields__]
     missing += [f"LogprobsLists.{name}" for name in ("logprob_token_ids", "logprobs")
                 if name not in LogprobsLists._fields]
     params = inspect.signature(llm.add_request).parameters

@@ -498,6 +498,38 @@ async def test_vllms_prometheus_logger_is_left_out_by_default(counted: Counted) 
     await wait_engine_idle(counted.engine)
 
 
+@pytest.mark.engine
+async def test_steady_steps_skip_vllms_iteration_stats_unless_exported(
+        counted: Counted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``vllm_metrics`` nothing reads vLLM's per-token iteration stats: a started
+    request is counted on its first step and on steps with engine events only, and its
+    final still has the queue time and TTFT those give. Counted on every step once an
+    engine exports them (the flag alone switches it; the engine is the same)."""
+    engine = counted.engine
+    assert engine.vllm_metrics is False
+    processor = engine.llm.output_processor
+    original = processor._update_stats_from_output
+    seen: list[str] = []
+
+    def spy(state: Any, out: Any, *args: Any) -> Any:
+        seen.append(out.request_id)
+        return original(state, out, *args)
+
+    monkeypatch.setattr(processor, "_update_stats_from_output", spy)
+    (quiet,) = await via_start(counted, [greedy("stats-quiet", PROMPTS[3], 24, ignore_eos=True)])
+    assert len(quiet.tokens) == 24
+    assert 1 <= len(seen) <= 4, f"{len(seen)} stats updates for 24 steps"
+    last = quiet.last
+    assert isinstance(last, EngineOutput) and last.ttft_ms is not None and last.ttft_ms > 0
+    assert last.queue_ms is not None
+    seen.clear()
+    monkeypatch.setattr(engine, "vllm_metrics", True)
+    (counted_every,) = await via_start(counted, [greedy("stats-every", PROMPTS[3], 24, ignore_eos=True)])
+    assert counted_every.tokens == quiet.tokens
+    assert len(seen) >= 24
+    await wait_engine_idle(engine)
+
+
 def test_vllm_metrics_setting_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """``vllm_metrics`` decides whether vLLM's own Prometheus logger is kept: the no-op
     stand-in goes in only when it is off (as by default)."""
@@ -545,9 +577,13 @@ async def test_cached_tokens_and_vllms_own_metrics_when_asked(smollm2_dir: Path)
         assert first.last.cached_tokens == 0 and first.last.prompt_tokens == 300
         assert 0 < again.last.cached_tokens < 300
         assert again.last.cached_tokens == generated[-1].cached_tokens
-        generated_tokens = REGISTRY.get_sample_value(
-            "vllm:generation_tokens_total", {"model_name": str(smollm2_dir), "engine": "0"})
+        labels = {"model_name": str(smollm2_dir), "engine": "0"}
+        generated_tokens = REGISTRY.get_sample_value("vllm:generation_tokens_total", labels)
         assert generated_tokens is not None and generated_tokens >= 6
+        # Exported: every step of a started request is counted, not only its first.
+        (longer,) = await via_start(counted, [greedy("count-all", prompt[:40], 12, ignore_eos=True)])
+        assert len(longer.tokens) == 12
+        assert REGISTRY.get_sample_value("vllm:generation_tokens_total", labels) == generated_tokens + 12
     finally:
         await engine.shutdown()
         unregister_vllm_metrics()  # the process's registry as the other tests expect it
