@@ -5,7 +5,9 @@ carries every request it sends there under a handle of its own:
 
 - what the requests write in one event-loop iteration goes out as one message: the first
   write schedules the flush with ``call_soon``, the others land in the same message;
-- a reader task splits each frame the replica sends into the requests it names;
+- each frame the replica sends is split into the requests it names as it is read (over
+  the framed listener, in the callback that read its bytes; over gRPC, in a reader task,
+  which over the listener only waits for the call's end);
 - when the whole call fails (or ends, or is closed), one rule for every tier says what
   that means for each request still on it (:meth:`SessionLink._call_failure`): the
   replica refused the call (PERMISSION_DENIED, UNAUTHENTICATED): each fails with that
@@ -114,6 +116,9 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
         self._pending = self._new_message()
         self._flush_scheduled = False
         self._call = self._open(opener, self._messages())
+        listen = getattr(self._call, "listen", None)
+        if listen is not None:
+            listen(self._on_frame)
         self._reader = asyncio.ensure_future(self._read())
 
     # -- what each tier defines ------------------------------------------------------
@@ -187,8 +192,7 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
         try:
             try:
                 async for frame in self._call:
-                    self.frames_received += 1
-                    self._dispatch(frame)
+                    self._on_frame(frame)
                 failure = TierUnavailable(self.ended_message.format(replica=self.replica))
             except grpc.aio.AioRpcError as err:
                 failure = await self._call_failure(err)
@@ -199,6 +203,10 @@ class SessionLink(ABC, Generic[MessageT, FrameT, CarriedT]):
             log.exception("%s session reader failed", self.tier)
             failure = TierUnavailable(f"{self.tier} session: {type(exc).__name__}")
         self._fail(failure)
+
+    def _on_frame(self, frame: FrameT) -> None:
+        self.frames_received += 1
+        self._dispatch(frame)
 
     async def _call_failure(self, err: grpc.aio.AioRpcError) -> errors.LlmeshError:
         """What the failure of the whole call means for each of its requests (module

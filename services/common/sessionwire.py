@@ -43,6 +43,7 @@ stream-stream call is, so the tiers' session links do not know which transport t
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import ssl
 import struct
@@ -531,10 +532,13 @@ class SessionOpener:
         """The listener refused a connection: ask again next time."""
         self._port = None
 
-    async def connect(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def connect(self, port: int, call: FramedCall) -> _CallConnection:
+        """A connection to the listener for ``call``."""
         assert self.host is not None
-        return await asyncio.open_connection(
-            self.host, port, ssl=self._ssl, server_hostname=self.server_name if self._ssl else None)
+        _, connection = await asyncio.get_running_loop().create_connection(
+            lambda: _CallConnection(call), self.host, port, ssl=self._ssl,
+            server_hostname=self.server_name if self._ssl else None)
+        return connection
 
 
 def _rpc_error(code: grpc.StatusCode, message: str, status: bytes = b"") -> grpc.aio.AioRpcError:
@@ -550,6 +554,11 @@ class FramedCall:
     """A Session call as the tiers' links use a grpc.aio one: iterated for the responses
     (``grpc.aio.AioRpcError`` when it fails), ``cancel()``-ed; over the peer's listener,
     or over gRPC when it has none.
+
+    A caller that listens (:meth:`listen`) gets each response of a framed call from the
+    connection's ``data_received``, in the event-loop callback that read its bytes: no
+    task wakes for it, and the iteration then only ends (or fails) with the call. Over
+    gRPC the responses are iterated as ever, so such a caller handles both the same way.
 
     ``awaiting`` (the caller's "is an answer owed to me?") makes an idle call quiet: while
     it says no, the call neither pings nor counts the peer's silence, and its keepalive
@@ -583,7 +592,7 @@ class FramedCall:
         self._cancelled = False
         self._call: Any = None
         """The gRPC call, when the peer is called over gRPC."""
-        self._writer: asyncio.StreamWriter | None = None
+        self._connection: _CallConnection | None = None
         self._sender: asyncio.Task[None] | None = None
         self._keepalive: asyncio.TimerHandle | None = None
         self._last_heard = 0.0
@@ -592,12 +601,31 @@ class FramedCall:
         self._elsewhere = elsewhere
         self._heard_elsewhere = False
         """Whether the latest tick found the answers arriving another way."""
+        self._listener: Callable[[Any], None] | None = None
+        self._inbox: collections.deque[bytes] = collections.deque()
+        """Responses read and not yet iterated (a call nobody listens to)."""
+        self._ended: BaseException | None = None
+        """How the framed call ended, once it has: :data:`_ENDED_OK`, or the error."""
+        self._wakeup: asyncio.Future[None] | None = None
         self._opening = asyncio.ensure_future(self._open())
 
     @property
     def framed(self) -> bool:
         """Whether the call runs over the listener (known once it is open)."""
-        return self._writer is not None
+        return self._connection is not None
+
+    def listen(self, on_response: Callable[[Any], None]) -> None:
+        """Hand every response of the framed call to ``on_response`` as it is read (see
+        the class docstring); one it raises for ends the call with that error, as if the
+        iteration had raised it. What was read before it listened goes to it first."""
+        self._listener = on_response
+        while self._inbox and (self._ended is None or self._ended is _ENDED_OK):
+            payload = self._inbox.popleft()
+            try:
+                on_response(self._parse(payload))
+            except Exception as exc:
+                self._inbox.clear()
+                self._end(exc)
 
     def cancel(self) -> bool:
         if self._cancelled:
@@ -607,8 +635,8 @@ class FramedCall:
         if self._call is not None:
             self._call.cancel()
         self._stop()
-        if self._writer is not None:
-            self._writer.transport.abort()
+        if self._connection is not None:
+            self._connection.abort()
         return True
 
     def __aiter__(self) -> AsyncIterator[Any]:
@@ -628,51 +656,51 @@ class FramedCall:
         writes (open, nothing buffered) and the caller has nothing queued for the sender
         (the caller's to check: its queue is what ``messages`` yields). False: the caller
         queues it, as always (over gRPC, still connecting, or writes backed up)."""
-        writer = self._writer
-        if writer is None or self._cancelled:
+        connection = self._connection
+        if connection is None or self._cancelled:
             return False
-        transport = writer.transport
-        if transport.is_closing() or transport.get_write_buffer_size():
+        transport = connection.transport
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size():
             return False
         transport.write(frame(MESSAGE, message.SerializeToString()))
         self._sent()
         return True
 
     # -- internals -------------------------------------------------------------------
-    async def _open(self) -> asyncio.StreamReader | None:
-        """Connect to the listener and start sending (the reader); None: over gRPC."""
+    async def _open(self) -> _CallConnection | None:
+        """Connect to the listener and start sending; None: over gRPC."""
         opener = self._opener
         port = await opener.port()
         if port:
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                    reader, writer = await opener.connect(port)
+                    connection = await opener.connect(port, self)
             except (OSError, ssl.SSLError, TimeoutError) as exc:
                 log.warning("session listener %s:%d of %s refused the connection (%s): over gRPC",
                             opener.host, port, opener.target, exc or type(exc).__name__)
                 opener.forget()
             else:
-                writer.write(PREFACE + frame(HELLO, self._method.encode()))
-                self._writer = writer
+                connection.write(PREFACE + frame(HELLO, self._method.encode()))
+                self._connection = connection
                 opener.framed_calls += 1
                 loop = asyncio.get_running_loop()
                 self._last_heard = loop.time()
                 self._keepalive = loop.call_later(PING_IDLE_S, self._tick)
-                self._sender = asyncio.ensure_future(self._send(writer))
-                return reader
+                self._sender = asyncio.ensure_future(self._send(connection))
+                return connection
         opener.grpc_calls += 1
         self._call = self._grpc_call(self._messages)
         return None
 
-    async def _send(self, writer: asyncio.StreamWriter) -> None:
+    async def _send(self, connection: _CallConnection) -> None:
         try:
             async for message in self._messages:
-                writer.write(frame(MESSAGE, message.SerializeToString()))
+                connection.write(frame(MESSAGE, message.SerializeToString()))
                 self._sent()
-                await writer.drain()
-            writer.write(frame(END))
+                await connection.drain()
+            connection.write(frame(END))
         except (ConnectionError, RuntimeError):
-            pass  # the reader sees the connection end
+            pass  # the connection's end reaches the caller through the call's end
 
     def _sent(self) -> None:
         if self._keepalive is None and not self._cancelled:
@@ -682,8 +710,8 @@ class FramedCall:
             self._keepalive = loop.call_later(PING_IDLE_S, self._tick)
 
     def _tick(self) -> None:
-        writer = self._writer
-        if writer is None or self._cancelled:
+        connection = self._connection
+        if connection is None or self._cancelled:
             return
         if self._awaiting is not None and not self._awaiting():
             self._keepalive = None  # idle: quiet until the next message goes out
@@ -701,14 +729,13 @@ class FramedCall:
         silent = loop.time() - self._last_heard
         if silent >= DEAD_AFTER_S:
             self._broken = f"Socket closed: no answer from the session listener for {silent:.1f} s"
-            writer.transport.abort()
+            connection.abort()
             return
         if silent < PING_IDLE_S:
             # Heard from within the last interval: look again when that silence is one.
             self._keepalive = loop.call_at(self._last_heard + PING_IDLE_S, self._tick)
             return
-        if not writer.transport.is_closing():
-            writer.write(frame(PING))
+        connection.write(frame(PING))
         self._keepalive = loop.call_later(PING_IDLE_S, self._tick)
 
     def _stop(self) -> None:
@@ -718,45 +745,161 @@ class FramedCall:
         if self._sender is not None:
             self._sender.cancel()
 
+    # Called by the connection, from the event loop's read callbacks.
+    def _frame(self, kind: int, payload: bytes) -> None:
+        """One frame from the listener (:class:`_CallConnection`)."""
+        if self._ended is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._last_heard = now = loop.time()
+        keepalive = self._keepalive
+        if keepalive is not None and keepalive.when() - now < PING_IDLE_S / 2:
+            # Frames are flowing: the silence the timer looks for cannot be over before a
+            # full interval from now.
+            keepalive.cancel()
+            self._keepalive = loop.call_at(now + PING_IDLE_S, self._tick)
+        if kind == MESSAGE:
+            listener = self._listener
+            if listener is None:
+                self._inbox.append(payload)
+                self._wake()
+                return
+            try:
+                listener(self._parse(payload))
+            except Exception as exc:
+                self._end(exc)
+        elif kind == STATUS:
+            status = status_pb2.Status.FromString(payload)
+            code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+            self._end(_ENDED_OK if code is grpc.StatusCode.OK else _rpc_error(code, status.message, payload))
+
+    def _connection_lost(self, exc: BaseException | None) -> None:
+        if self._ended is not None:
+            return
+        if self._cancelled:
+            self._end(asyncio.CancelledError())
+            return
+        why = self._broken or (
+            f"Connection reset: the session listener closed the connection ({exc or 'end of stream'})")
+        self._end(_rpc_error(grpc.StatusCode.UNAVAILABLE, why))
+
+    def _end(self, how: BaseException) -> None:
+        """The framed call is over (:data:`_ENDED_OK` or its error): the iteration ends
+        once it has yielded what was read before, and nothing more is read."""
+        self._ended = how
+        connection = self._connection
+        if how is not _ENDED_OK and connection is not None:
+            connection.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
     async def _responses(self) -> AsyncIterator[Any]:
         try:
-            reader = await self._opening
+            connection = await self._opening
         except asyncio.CancelledError:
             if self._cancelled:
                 raise asyncio.CancelledError() from None
             raise
-        if reader is None:
+        if connection is None:
             async for response in self._call:
                 yield response
             return
-        parse, loop = self._parse, asyncio.get_running_loop()
+        parse, inbox, loop = self._parse, self._inbox, asyncio.get_running_loop()
         try:
             while True:
-                try:
-                    kind, payload = await read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as exc:
-                    if self._cancelled:
-                        raise asyncio.CancelledError() from None
-                    why = self._broken or (
-                        f"Connection reset: the session listener closed the connection ({exc})")
-                    raise _rpc_error(grpc.StatusCode.UNAVAILABLE, why) from None
-                self._last_heard = now = loop.time()
-                keepalive = self._keepalive
-                if keepalive is not None and keepalive.when() - now < PING_IDLE_S / 2:
-                    # Frames are flowing: the silence the timer looks for cannot be over
-                    # before a full interval from now.
-                    keepalive.cancel()
-                    self._keepalive = loop.call_at(now + PING_IDLE_S, self._tick)
-                if kind == MESSAGE:
-                    yield parse(payload)
-                elif kind == STATUS:
-                    status = status_pb2.Status.FromString(payload)
-                    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-                    if code is grpc.StatusCode.OK:
+                if inbox:
+                    yield parse(inbox.popleft())
+                    continue
+                ended = self._ended
+                if ended is not None:
+                    if ended is _ENDED_OK:
                         return
-                    raise _rpc_error(code, status.message, payload)
+                    if isinstance(ended, asyncio.CancelledError):
+                        raise asyncio.CancelledError() from None
+                    raise ended
+                self._wakeup = loop.create_future()
+                await self._wakeup
         finally:
+            self._wakeup = None
             self._stop()
-            if self._writer is not None:
-                self._writer.close()
+            connection.close()
 
+
+_ENDED_OK = Exception("the call ended with status OK")
+"""What a framed call that ended with an OK status ended with (not raised)."""
+
+
+class _CallConnection(asyncio.Protocol):
+    """The caller's side of a connection to a listener: frames are parsed as bytes arrive
+    and handed to the :class:`FramedCall`, which writes through :meth:`write`; the
+    connection's flow control is the caller's :meth:`drain`."""
+
+    def __init__(self, call: FramedCall) -> None:
+        self.call = call
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's TLS transport is no asyncio.Transport subclass, but has its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        offset, header, call = 0, _HEADER.size, self.call
+        while len(buffer) - offset >= header:
+            kind, size = _HEADER.unpack_from(buffer, offset)
+            if kind >= len(KIND_NAMES) or size > MAX_FRAME_BYTES:
+                call._end(_rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                     f"Connection reset: the session listener sent a frame of kind "
+                                     f"{kind} and {size} bytes"))
+                return
+            end = offset + header + size
+            if len(buffer) < end:
+                break
+            call._frame(kind, bytes(buffer[offset + header:end]))
+            offset = end
+            if call._ended is not None:
+                return
+        if offset:
+            del buffer[:offset]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError("the session listener went away"))
+        self.call._connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    async def drain(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the session listener went away")
+        if self._paused:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from services.common.generation import Delta, Final, TokenRequest
@@ -29,6 +29,7 @@ from services.common.retry import SESSION_RETRY_S
 from services.common.tracing import current_traceparent
 from services.router.registry import Load
 from services.router.workerapi import (
+    SessionEvent,
     SessionSubmit,
     StreamEvent,
     WorkerCallError,
@@ -371,25 +372,37 @@ class BatchDispatcher:
         return bool(self._by_handle)
 
     async def _read_session(self, link: WorkerSessionLink) -> None:
+        """The session's frames to their requests, then its end (or failure) to every
+        request still on it. A link that can call back (``listen``: over the worker's
+        framed listener) hands each frame over as it is read, and :meth:`events` only
+        ends; otherwise frames come out of :meth:`events`."""
         error = WorkerCallError("transport", "UNAVAILABLE", "worker session ended")
         answered = False
         loop = asyncio.get_running_loop()
+
+        def on_events(events: Iterable[tuple[int, SessionEvent]]) -> None:
+            nonlocal answered
+            answered = True
+            self.heard_at = loop.time()
+            by_handle = self._by_handle
+            for handle, event in events:
+                stream = by_handle.get(handle)
+                if stream is None:
+                    continue  # cancelled or aborted by us: late output is dropped
+                stream.submitted = None
+                if type(event) is list:
+                    stream.push_tokens(event)
+                    continue
+                stream.push(event)
+                if not isinstance(event, Delta):
+                    del by_handle[handle]
+
+        listen = getattr(link, "listen", None)
+        if listen is not None:
+            listen(on_events)
         try:
             async for events in link.events():
-                answered = True
-                self.heard_at = loop.time()
-                by_handle = self._by_handle
-                for handle, event in events:
-                    stream = by_handle.get(handle)
-                    if stream is None:
-                        continue  # cancelled or aborted by us: late output is dropped
-                    stream.submitted = None
-                    if type(event) is list:
-                        stream.push_tokens(event)
-                        continue
-                    stream.push(event)
-                    if not isinstance(event, Delta):
-                        del by_handle[handle]
+                on_events(events)
         except WorkerCallError as exc:
             error = exc
         except asyncio.CancelledError:

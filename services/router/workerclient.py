@@ -166,12 +166,22 @@ class GrpcSessionLink:
         self._watcher = ""
         self._call.send_or_queue(message, self._outbox)
 
+    def listen(self, on_events: Callable[[Iterable[tuple[int, SessionEvent]]], None]) -> None:
+        """Each frame's events to ``on_events`` as the frame is read, in the event-loop
+        callback that read it (over the worker's framed listener: no task wakes per
+        frame; :meth:`events` then only ends or raises with the session). Over gRPC the
+        frames still come out of :meth:`events`."""
+        self._call.listen(lambda frame: on_events(self._events_of(frame)))
+
+    def _events_of(self, frame: worker_pb2.SessionResponse) -> Iterable[tuple[int, SessionEvent]]:
+        if self._on_load is not None and frame.HasField("load"):
+            self._on_load(load_from_proto(frame.load))
+        return frame_events(frame)
+
     async def events(self) -> AsyncIterator[Iterable[tuple[int, SessionEvent]]]:
         try:
             async for frame in self._call:
-                if self._on_load is not None and frame.HasField("load"):
-                    self._on_load(load_from_proto(frame.load))
-                yield frame_events(frame)
+                yield self._events_of(frame)
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 

@@ -209,6 +209,76 @@ async def test_a_failed_call_keeps_its_field_violation() -> None:
         assert "63 bits" in str(error)
 
 
+@pytest.mark.parametrize("listener", [True, False], ids=["framed", "grpc"])
+async def test_a_listening_caller_gets_each_response_as_it_is_read(listener: bool) -> None:
+    """Over the listener a caller that listens gets every response from the callback
+    that read it (no task runs it) and the iteration only ends; over gRPC nothing calls
+    back and the responses are iterated, so one handler serves both."""
+    async with Peer(EchoSessions(), listener=listener) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1, 2), submit(3)))
+        heard: list[tuple[int, bool]] = []
+        call.listen(lambda response: heard.extend(
+            (h, asyncio.current_task() is None) for h in response.handles))
+        iterated = await handles_of(call)
+        assert call.framed is listener
+        if listener:
+            assert iterated == [] and heard == [(1, True), (2, True), (3, True)]
+        else:
+            assert iterated == [1, 2, 3] and heard == []
+
+
+async def test_a_listened_call_still_fails_with_its_status_after_what_it_delivered() -> None:
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1), submit(99), hold=asyncio.Event()))
+        heard: list[int] = []
+        call.listen(lambda response: heard.extend(response.handles))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            assert [r async for r in call] == []
+        assert heard == [1]
+        error = error_from_rpc(info.value)
+        assert isinstance(error, InvalidArgument) and error.field == "submit.request.sampling.seed"
+
+
+async def test_a_listener_that_raises_ends_the_call_with_its_error() -> None:
+    """The callback's error ends the call as the iteration's would have: the caller's
+    iteration raises it, nothing more is delivered, and the peer's handler is cancelled."""
+    handler = EchoSessions()
+    async with Peer(handler) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1), submit(2), submit(7), hold=asyncio.Event()))
+        heard: list[int] = []
+
+        def on_response(response: worker_pb2.SessionResponse) -> None:
+            heard.extend(response.handles)
+            if 2 in response.handles:
+                raise ValueError("a bug in the caller")
+
+        call.listen(on_response)
+        with pytest.raises(ValueError, match="a bug in the caller"):
+            [r async for r in call]
+        assert heard == [1, 2]
+        await asyncio.wait_for(handler.cancelled.wait(), 5)
+
+
+async def test_what_was_read_before_the_caller_listened_reaches_it_first() -> None:
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        more = asyncio.Event()
+
+        async def requests() -> AsyncIterator[worker_pb2.SessionRequest]:
+            yield submit(1)
+            yield submit(2)
+            await more.wait()
+            yield submit(3)
+
+        call = open_call(opener, requests())
+        await wait_for(lambda: len(call._inbox) == 2)
+        heard: list[int] = []
+        call.listen(lambda response: heard.extend(response.handles))
+        assert heard == [1, 2]
+        more.set()
+        await wait_for(lambda: heard == [1, 2, 3])
+        call.cancel()
+
+
 async def test_an_unknown_method_is_unimplemented() -> None:
     async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
         session = opener.channel.stream_stream("/llmesh.router.v1.RouterService/Session")

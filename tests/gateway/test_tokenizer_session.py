@@ -71,6 +71,13 @@ async def test_encodes_of_one_iteration_share_a_message_and_match_encode_calls(t
         assert link is not None and isinstance(link._call, FramedCall)
         assert link.messages_sent == 1  # four encodes asked for in one iteration: one message
         assert not link.requests
+        # Every frame went to its requests from the read callback (no reader task woke).
+        dispatched_in: list[bool] = []
+        dispatch = link._dispatch
+        link._dispatch = lambda frame: (  # type: ignore[method-assign]
+            dispatched_in.append(asyncio.current_task() is not None), dispatch(frame))
+        assert await _encode_all(tier) == expected
+        assert dispatched_in and not any(dispatched_in), dispatched_in
         assert await _encode_all(tier) == expected
         assert tier.links[0] is link and tier.links.opened == 1  # the session stays open
         assert tier.links.openers[0].host is not None and await tier.links.openers[0].port() > 0

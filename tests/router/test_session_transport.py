@@ -69,6 +69,34 @@ async def test_concurrent_requests_share_frames_and_get_exactly_their_tokens(
         await rut.close()
 
 
+async def test_worker_frames_reach_the_requests_from_the_read_not_a_task(
+    two_workers: list[RunningWorker], tiny_deepseek_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the worker's framed listener each frame goes to its requests from the event
+    loop's read callback (FramedCall.listen): no reader task wakes per frame. The tokens
+    are the same."""
+    from services.router import batching
+
+    in_task: list[bool] = []
+    original = batching.AttemptStream.push_tokens
+
+    def push_tokens(self: batching.AttemptStream, token_ids: list[int]) -> None:
+        in_task.append(asyncio.current_task() is not None)
+        original(self, token_ids)
+
+    monkeypatch.setattr(batching.AttemptStream, "push_tokens", push_tokens)
+    model = FakeModel.from_dir(tiny_deepseek_dir)
+    rut = await start_router([(address(two_workers[0]), "zone-a")], worker_transport="session")
+    try:
+        prompts = [[8, i] for i in range(4)]
+        results = await asyncio.gather(*(rut.generate(p, 12) for p in prompts))
+        for prompt, (tokens, _) in zip(prompts, results, strict=True):
+            assert tokens == fake_greedy(prompt, 12, model)
+        assert in_task and not any(in_task), in_task
+    finally:
+        await rut.close()
+
+
 async def test_cancel_aborts_in_the_engine_and_the_session_goes_on(two_workers: list[RunningWorker]) -> None:
     rut = await start_router([(address(two_workers[0]), "zone-a")], worker_transport="session")
     try:
