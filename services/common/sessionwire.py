@@ -211,18 +211,88 @@ class SessionListener:
             port=self.port, version=VERSION, methods=sorted(self.methods))
 
 
+class _FramedProtocol(asyncio.Protocol):
+    """What both ends of a framed connection share: the transport, flow control (a
+    writer awaits :meth:`_wait_writable` while the transport's buffer is full) and the
+    split of the bytes read into frames."""
+
+    went_away = "the peer went away"
+    """Why a writer waiting for room fails once the connection is lost."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's TLS transport is no asyncio.Transport subclass, but has its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError(self.went_away))
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def _wait_writable(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError(self.went_away)
+        if self._paused:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    def _split_frames(self) -> None:
+        """Hand every whole frame in the buffer to :meth:`_frame`, in order; a frame of
+        an unknown kind or over the size limit goes to :meth:`_bad_frame` instead and
+        ends the reading. Stops once :meth:`_stopped` says so."""
+        buffer = self.buffer
+        offset, header = 0, _HEADER.size
+        while len(buffer) - offset >= header:
+            kind, size = _HEADER.unpack_from(buffer, offset)
+            if kind >= len(KIND_NAMES) or size > MAX_FRAME_BYTES:
+                self._bad_frame(kind, size)
+                return
+            end = offset + header + size
+            if len(buffer) < end:
+                break
+            self._frame(kind, bytes(buffer[offset + header:end]))
+            offset = end
+            if self._stopped():
+                return
+        if offset:
+            del buffer[:offset]
+
+    def _frame(self, kind: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _bad_frame(self, kind: int, size: int) -> None:
+        raise NotImplementedError
+
+    def _stopped(self) -> bool:
+        raise NotImplementedError
+
+
 _END_OF_INPUT = None
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(_FramedProtocol):
     """One caller's connection to the listener and the Session call on it. Frames are
     parsed as bytes arrive, whether or not the handler is reading its requests, so a
     caller that goes away cancels the call at once, and a ping is answered at once."""
 
+    went_away = "the caller went away"
+
     def __init__(self, listener: SessionListener) -> None:
+        super().__init__()
         self.listener = listener
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
         self.greeted = False
         self.method: str | None = None
         self.inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -231,13 +301,10 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         """The caller went away before the call ended: the handler was cancelled."""
         self._hello_timer: asyncio.TimerHandle | None = None
-        self._paused = False
-        self._drained: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TLS transport is no asyncio.Transport subclass, but has its methods.
-        self.transport = cast(asyncio.Transport, transport)
+        super().connection_made(transport)
         self.listener.connections.add(self)
         self.listener.accepted += 1
         self._hello_timer = asyncio.get_running_loop().call_later(
@@ -256,39 +323,22 @@ class _Connection(asyncio.Protocol):
                 return
             del buffer[:len(PREFACE)]
             self.greeted = True
-        offset, header = 0, _HEADER.size
-        while len(buffer) - offset >= header:
-            kind, size = _HEADER.unpack_from(buffer, offset)
-            if kind >= len(KIND_NAMES) or size > MAX_FRAME_BYTES:
-                self._drop(f"a frame of kind {kind} and {size} bytes")
-                return
-            end = offset + header + size
-            if len(buffer) < end:
-                break
-            self._frame(kind, bytes(buffer[offset + header:end]))
-            offset = end
-            if self.transport is None or self.transport.is_closing():
-                return
-        if offset:
-            del buffer[:offset]
+        self._split_frames()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
         self.listener.connections.discard(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_exception(ConnectionResetError("the caller went away"))
         if self.task is not None and not self.task.done():
             self.lost = True
             self.task.cancel()
 
-    def pause_writing(self) -> None:
-        self._paused = True
+    def _bad_frame(self, kind: int, size: int) -> None:
+        self._drop(f"a frame of kind {kind} and {size} bytes")
 
-    def resume_writing(self) -> None:
-        self._paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+    def _stopped(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
 
     # -- frames ----------------------------------------------------------------------
     def _frame(self, kind: int, payload: bytes) -> None:
@@ -318,13 +368,6 @@ class _Connection(asyncio.Protocol):
                     self.transport.get_extra_info("peername"), why)
         self.transport.abort()
 
-    async def _drain(self) -> None:
-        assert self.transport is not None
-        if self.transport.is_closing():
-            raise ConnectionResetError("the caller went away")
-        if self._paused:
-            self._drained = asyncio.get_running_loop().create_future()
-            await self._drained
 
     # -- the call --------------------------------------------------------------------
     async def _run(self, method: str) -> None:
@@ -383,7 +426,7 @@ class _Connection(asyncio.Protocol):
                 async for response in responses:
                     transport.write(frame(MESSAGE, response.SerializeToString()))
                     if self._paused or transport.is_closing():
-                        await self._drain()
+                        await self._wait_writable()
             finally:
                 # Whatever still runs of the handler (its clean-up) writes nothing after
                 # the status.
@@ -833,55 +876,35 @@ _ENDED_OK = Exception("the call ended with status OK")
 """What a framed call that ended with an OK status ended with (not raised)."""
 
 
-class _CallConnection(asyncio.Protocol):
+class _CallConnection(_FramedProtocol):
     """The caller's side of a connection to a listener: frames are parsed as bytes arrive
     and handed to the :class:`FramedCall`, which writes through :meth:`write`; the
     connection's flow control is the caller's :meth:`drain`."""
 
-    def __init__(self, call: FramedCall) -> None:
-        self.call = call
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self._paused = False
-        self._drained: asyncio.Future[None] | None = None
+    went_away = "the session listener went away"
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TLS transport is no asyncio.Transport subclass, but has its methods.
-        self.transport = cast(asyncio.Transport, transport)
+    def __init__(self, call: FramedCall) -> None:
+        super().__init__()
+        self.call = call
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        offset, header, call = 0, _HEADER.size, self.call
-        while len(buffer) - offset >= header:
-            kind, size = _HEADER.unpack_from(buffer, offset)
-            if kind >= len(KIND_NAMES) or size > MAX_FRAME_BYTES:
-                call._end(_rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                     f"Connection reset: the session listener sent a frame of kind "
-                                     f"{kind} and {size} bytes"))
-                return
-            end = offset + header + size
-            if len(buffer) < end:
-                break
-            call._frame(kind, bytes(buffer[offset + header:end]))
-            offset = end
-            if call._ended is not None:
-                return
-        if offset:
-            del buffer[:offset]
+        self.buffer += data
+        self._split_frames()
+
+    def _frame(self, kind: int, payload: bytes) -> None:
+        self.call._frame(kind, payload)
+
+    def _bad_frame(self, kind: int, size: int) -> None:
+        self.call._end(_rpc_error(
+            grpc.StatusCode.UNAVAILABLE,
+            f"Connection reset: the session listener sent a frame of kind {kind} and {size} bytes"))
+
+    def _stopped(self) -> bool:
+        return self.call._ended is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_exception(ConnectionResetError("the session listener went away"))
+        super().connection_lost(exc)
         self.call._connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
 
     def write(self, data: bytes) -> None:
         transport = self.transport
@@ -889,12 +912,7 @@ class _CallConnection(asyncio.Protocol):
             transport.write(data)
 
     async def drain(self) -> None:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the session listener went away")
-        if self._paused:
-            self._drained = asyncio.get_running_loop().create_future()
-            await self._drained
+        await self._wait_writable()
 
     def abort(self) -> None:
         if self.transport is not None:
