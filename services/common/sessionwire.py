@@ -662,7 +662,7 @@ class FramedCall:
         the class docstring); one it raises for ends the call with that error, as if the
         iteration had raised it. What was read before it listened goes to it first."""
         self._listener = on_response
-        while self._inbox and (self._ended is None or self._ended is _ENDED_OK):
+        while self._inbox and not self._cancelled and (self._ended is None or self._ended is _ENDED_OK):
             payload = self._inbox.popleft()
             try:
                 on_response(self._parse(payload))
@@ -790,8 +790,9 @@ class FramedCall:
 
     # Called by the connection, from the event loop's read callbacks.
     def _frame(self, kind: int, payload: bytes) -> None:
-        """One frame from the listener (:class:`_CallConnection`)."""
-        if self._ended is not None:
+        """One frame from the listener (:class:`_CallConnection`); none once the call
+        ended or was cancelled (a listener that cancels hears no more)."""
+        if self._ended is not None or self._cancelled:
             return
         loop = asyncio.get_running_loop()
         self._last_heard = now = loop.time()
@@ -854,6 +855,8 @@ class FramedCall:
         parse, inbox, loop = self._parse, self._inbox, asyncio.get_running_loop()
         try:
             while True:
+                if self._cancelled:
+                    raise asyncio.CancelledError()
                 if inbox:
                     yield parse(inbox.popleft())
                     continue
@@ -900,7 +903,7 @@ class _CallConnection(_FramedProtocol):
             f"Connection reset: the session listener sent a frame of kind {kind} and {size} bytes"))
 
     def _stopped(self) -> bool:
-        return self.call._ended is not None
+        return self.call._ended is not None or self.call._cancelled
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

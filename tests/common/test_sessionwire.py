@@ -259,6 +259,26 @@ async def test_a_listener_that_raises_ends_the_call_with_its_error() -> None:
         await asyncio.wait_for(handler.cancelled.wait(), 5)
 
 
+async def test_a_listener_that_cancels_the_call_hears_nothing_more() -> None:
+    """Frames already read behind the one whose handling cancelled the call (a link
+    closed from its own dispatch) are not delivered."""
+    async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
+        call = open_call(opener, messages(submit(1, 2), submit(3), hold=asyncio.Event()))
+        await wait_for(lambda: len(call._inbox) == 3)  # a response per submission
+        heard: list[int] = []
+
+        def on_response(response: worker_pb2.SessionResponse) -> None:
+            heard.extend(response.handles)
+            call.cancel()
+
+        call.listen(on_response)
+        iterated: list[int] = []
+        with pytest.raises(asyncio.CancelledError):
+            async for response in call:
+                iterated.extend(response.handles)
+        assert heard == [1] and iterated == []
+
+
 async def test_what_was_read_before_the_caller_listened_reaches_it_first() -> None:
     async with Peer(EchoSessions()) as peer, opener_for(peer) as opener:
         more = asyncio.Event()
