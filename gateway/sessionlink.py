@@ -42,7 +42,7 @@ import grpc
 from gateway.core import TierUnavailable
 from gateway.tiers import domain_error
 from services.common import errors
-from services.common.channels import create_channel
+from services.common.channels import LOOKUP_IDLE_TIMEOUT_MS, create_channel
 from services.common.retry import SESSION_RETRY_S
 from services.common.sessionwire import SessionOpener
 from services.common.settings import TlsSettings
@@ -282,7 +282,8 @@ class ReplicaLinks(Generic[LinkT]):
         self._link = link
         self.targets = list(targets)
         self.channels = [
-            create_channel(t, tls=tls, server_name_override=server_name, interceptors=[])
+            create_channel(t, tls=tls, server_name_override=server_name, interceptors=[],
+                           idle_timeout_ms=LOOKUP_IDLE_TIMEOUT_MS)
             for t in targets
         ]
         self.openers = [

@@ -43,6 +43,16 @@ Session endpoint lookup, a start-up check) cost its process about 0.5 ms of CPU 
 second for good. Above the gateway's 30 s model-list refresh, so a serving gateway keeps
 its tokenizer channel connected."""
 
+LOOKUP_IDLE_TIMEOUT_MS = 5_000
+"""The idle timeout of a channel that only asks a peer where its framed Session listener
+is (``SessionOpener``): asked once when a session opens (again after one broke), so the
+connection is closed 5 s after, not held for a minute. Connected, a channel re-arms its
+keepalive timer every ``keepalive_time_ms`` even without a call, and each firing wakes
+gRPC's event-engine threads (about a dozen wake-ups with their idle back-off): the three
+lookup channels of a gateway and one per worker in a router cost that for the first
+minute of every session, under load included. Over gRPC (a peer without a listener) the
+Session itself runs on the channel and keeps it open."""
+
 # Servers must accept those frequent pings instead of answering GOAWAY too_many_pings.
 SERVER_KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 100),

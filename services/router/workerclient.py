@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.common.v1 import common_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from services.common.channels import broken_link, create_channel
+from services.common.channels import LOOKUP_IDLE_TIMEOUT_MS, broken_link, create_channel
 from services.common.errors import LlmeshError, error_from_rpc, request_error_from_proto
 from services.common.generation import Delta, TokenRequest
 from services.common.generation_convert import (
@@ -255,7 +255,8 @@ class GrpcWorkerClient:
 
     def _opener(self) -> SessionOpener:
         if self._sessions is None:
-            self.session_channel = create_channel(self.address, tls=self._tls, interceptors=[])
+            self.session_channel = create_channel(self.address, tls=self._tls, interceptors=[],
+                                                  idle_timeout_ms=LOOKUP_IDLE_TIMEOUT_MS)
             self._sessions = SessionOpener(self.session_channel, self.address, tls=self._tls)
         return self._sessions
 

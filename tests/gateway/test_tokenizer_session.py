@@ -86,6 +86,29 @@ async def test_encodes_of_one_iteration_share_a_message_and_match_encode_calls(t
         await calls.close()
 
 
+async def test_the_lookup_channel_lets_its_connection_go_while_the_session_serves(
+        tokenizer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The channel that only asked where the listener is closes its connection once idle
+    (LOOKUP_IDLE_TIMEOUT_MS; a connected channel wakes gRPC's threads for its keepalive
+    timer), and the session on the listener goes on serving."""
+    from gateway import sessionlink
+
+    monkeypatch.setattr(sessionlink, "LOOKUP_IDLE_TIMEOUT_MS", 300)
+    tier = SessionTokenizerTier([tokenizer])
+    try:
+        first = await _encode_all(tier)
+        channel = tier.links.channels[0]
+        assert channel.get_state() is grpc.ChannelConnectivity.READY  # asked for the port
+        deadline = asyncio.get_running_loop().time() + 10
+        while channel.get_state() is not grpc.ChannelConnectivity.IDLE:
+            assert asyncio.get_running_loop().time() < deadline, channel.get_state()
+            await asyncio.sleep(0.05)
+        assert await _encode_all(tier) == first
+        assert tier.links.opened == 1 and channel.get_state() is grpc.ChannelConnectivity.IDLE
+    finally:
+        await tier.close()
+
+
 async def _error(tier: GrpcTokenizerTier, model: str, prompt: str,
                  messages: list[ChatTurn]) -> errors.LlmeshError:
     with pytest.raises(errors.LlmeshError) as raised:
