@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
+from gateway.localpost import LocalPostprocessorTier
 from gateway.postsession import SessionPostprocessorTier
 from gateway.routersession import SessionRouterTier
 from gateway.servicer import AuthGate, InferenceServicer
@@ -19,14 +20,18 @@ from llmesh.router.v1 import router_pb2
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.common.readiness import UpstreamHealth
 from services.common.server import ServerHandle, create_server, run_until_signal
+from services.postprocessor.core import PostprocessCore
+from services.postprocessor.server import build_core as build_postprocessor_core
+from services.postprocessor.server import warm_up as warm_up_postprocessor
+from services.postprocessor.settings import PostprocessorSettings
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
-PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier
-"""The postprocessor tier of either transport (settings.postprocessor_transport)."""
+PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier | LocalPostprocessorTier
+"""The postprocessor tier of any transport (settings.postprocessor_transport)."""
 
 
 @dataclass
@@ -54,7 +59,9 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
     router_tier = SessionRouterTier if settings.router_transport == "session" else GrpcRouterTier
     router = router_tier(settings.router_targets, tls)
     post: PostprocessorTiers
-    if settings.postprocessor_transport == "session":
+    if settings.postprocessor_transport == "local":
+        post = LocalPostprocessorTier(build_local_postprocessor(settings.postprocessor_models))
+    elif settings.postprocessor_transport == "session":
         post = SessionPostprocessorTier(settings.postprocessor_targets, tls)
     else:
         post = GrpcPostprocessorTier(settings.postprocessor_targets, tls)
@@ -75,6 +82,12 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
         audit=audit,
     )
     return core, (tokenizer, router, post), audit
+
+
+def build_local_postprocessor(models: list[str]) -> PostprocessCore:
+    """The in-process postprocessor's core: the tier's own, with its default limits (the
+    filter mode comes with every request from the gateway)."""
+    return build_postprocessor_core(PostprocessorSettings(models=models))
 
 
 async def create_gateway(settings: GatewaySettings) -> Gateway:
@@ -98,6 +111,9 @@ async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = No
     http_runner = None
 
     async def warmup() -> None:
+        post = gateway.tiers[2]
+        if isinstance(post, LocalPostprocessorTier):
+            await warm_up_postprocessor(post.core)
         # Ready once the tokenizer tier answers: without it no request can be served.
         while True:
             try:

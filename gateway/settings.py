@@ -42,14 +42,20 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     upgrade) gets calls on its own, and is asked for Session again after a minute."""
     postprocessor_targets: list[str] = ["127.0.0.1:50062"]
     """Postprocessor replicas; a stream whose postprocessor dies is replayed into the next one."""
-    postprocessor_transport: Literal["calls", "session"] = "session"
+    postprocessor_transport: Literal["calls", "session", "local"] = "session"
     """How requests reach the postprocessors: ``session`` (one long-lived Session per
     postprocessor replica carrying every request: what the requests send in one moment
     shares a message, answered by one frame of text for all of them; a broken session
-    replays its requests into another replica) or ``calls`` (one Process stream per
-    request). Under ``session`` a postprocessor replica without Session (an older release,
-    during a rolling upgrade) gets calls on its own, and is asked for Session again after a
-    minute."""
+    replays its requests into another replica), ``calls`` (one Process stream per
+    request) or ``local`` (no postprocessor tier: the gateway runs the same pipeline in
+    its own process on the router's frames as they arrive, with the tokenizers of
+    ``postprocessor_models``; postprocessor_targets is then unused). Under ``session`` a
+    postprocessor replica without Session (an older release, during a rolling upgrade)
+    gets calls on its own, and is asked for Session again after a minute."""
+    postprocessor_models: list[str] = []
+    """Models of the in-process postprocessor (postprocessor_transport ``local``) as
+    ``name=dir`` or ``dir``, the same list the tokenizer tier serves; empty: the prepared
+    default model (smollm2-135m-instruct)."""
     default_model: str = ""
     """Model used when a request leaves ``model`` empty; empty means the tokenizer tier's default."""
     tenants_file: str = ""

@@ -194,11 +194,13 @@ class Mesh:
                         port=free_port(self.host), processes=cfg.tokenizer.processes)
             for i in range(cfg.tokenizer.replicas)
         ]
+        # postprocessor_transport "local": the gateway runs the postprocessing itself.
+        local_post = cfg.gateway.settings.get("postprocessor_transport") == "local"
         posts = [
             self._spawn(f"postprocessor-{i}", "postprocessor",
                         ["--models", model_flag, *_flags(cfg.postprocessor.settings)],
                         port=free_port(self.host), processes=cfg.postprocessor.processes)
-            for i in range(cfg.postprocessor.replicas)
+            for i in range(0 if local_post else cfg.postprocessor.replicas)
         ]
         workers = []
         for i, w in enumerate(cfg.workers):
@@ -242,7 +244,8 @@ class Mesh:
         gw_args = [
             "--tokenizer-targets", json.dumps([p.address for p in tokenizers]),
             "--router-targets", json.dumps([p.address for p in routers]),
-            "--postprocessor-targets", json.dumps([p.address for p in posts]),
+            *(["--postprocessor-models", model_flag] if local_post
+              else ["--postprocessor-targets", json.dumps([p.address for p in posts])]),
             "--default-filter-mode", cfg.gateway.default_filter_mode,
             *self._client_tls_flags("gateway"), *_flags(cfg.gateway.settings),
         ]

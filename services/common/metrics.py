@@ -36,15 +36,16 @@ FULL_COLLECTIONS = Histogram(
 )
 
 
-def record_request(tier: str, method: str, code: str, seconds: float) -> None:
+def record_request(tier: str, method: str, code: str, seconds: float, transport: str = "session") -> None:
     """Count one request a Session carried as the per-request RPC it replaces.
 
     Dashboards and alerts read request rates and error codes per tier from
     ``llmesh_rpc_requests_total``; a long-lived Session is one RPC for thousands of
     requests, so without this an internal tier would look idle and its per-request errors
-    would never reach the error-rate alerts.
+    would never reach the error-rate alerts. ``transport`` is ``local`` for a tier's work
+    run inside another tier's process (the gateway's in-process postprocessor).
     """
-    RPC_REQUESTS.labels(tier, method, code, "session").inc()
+    RPC_REQUESTS.labels(tier, method, code, transport).inc()
     RPC_LATENCY.labels(tier, method).observe(seconds)
 
 

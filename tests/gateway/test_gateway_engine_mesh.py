@@ -141,6 +141,47 @@ async def test_greedy_stream_equals_unary(engine_channel):
     assert final.usage.completion_tokens == unary.usage.completion_tokens
 
 
+async def test_the_gateways_in_process_postprocessor_gives_the_tiers_text_real_engine(
+        engine_channel, engine_mesh):
+    """postprocessor_transport local over the real engine: a gateway in this process, on
+    the mesh's tokenizer and routers, detokenizes in its own process and streams the text
+    (a stop string spanning tokens included) the mesh's postprocessor tier gives."""
+    from gateway.server import create_gateway
+    from gateway.settings import GatewaySettings
+    from tests.tokenizer.helpers import running_server
+
+    def targets(tier: str) -> list[str]:
+        return [p.address for p in engine_mesh.procs if p.tier == tier]
+
+    settings = GatewaySettings(
+        port=0, http_port=-1, drain_seconds=0, postprocessor_transport="local",
+        postprocessor_models=[f"{engine_mesh.model_name}={engine_mesh.model_dir}"],
+        tokenizer_targets=targets("tokenizer"), router_targets=targets("router"),
+    )
+    gateway = None
+
+    async def build():
+        nonlocal gateway
+        gateway = await create_gateway(settings)
+        return gateway.handle, gateway
+
+    kwargs = {"messages": PARIS, "sampling": {"temperature": 0.0, "max_tokens": 24}}
+    want, want_final, _ = await collect_stream(stub(engine_channel), stream_request(**kwargs))
+    assert "Paris" in want
+    cut = want.index("Paris") + 2  # "Pa|ris": a stop string that ends inside a word
+    stopped = {"messages": PARIS, "sampling": {"temperature": 0.0, "max_tokens": 24, "stop": ["ris"]}}
+    want_stopped, _, _ = await collect_stream(stub(engine_channel), stream_request(**stopped))
+    assert want_stopped == want[:cut]
+    async with running_server(build, tier="gateway") as (_, _, channel):
+        text, final, _ = await collect_stream(stub(channel), stream_request(**kwargs))
+        text_stopped, final_stopped, _ = await collect_stream(stub(channel), stream_request(**stopped))
+    assert gateway is not None
+    await gateway.close()
+    assert text == want and final.usage.completion_tokens == want_final.usage.completion_tokens
+    assert text_stopped == want_stopped and final_stopped.matched_stop == "ris"
+    assert final_stopped.finish_reason == inference_pb2.FINISH_REASON_STOP
+
+
 async def test_a_coalesced_stream_is_the_interval_one_text_real_engine(engine_channel):
     """Stream interval 8 over vLLM: the same greedy text and token ids as interval 1, in
     deltas of several tokens (the bound lifted so only the interval groups them)."""
