@@ -79,6 +79,13 @@ def router_worker_transport() -> str:
     return str(RouterSettings.model_fields["worker_transport"].default)
 
 
+def gateway_postprocessor_transport() -> str:
+    """The gateway's default postprocessor_transport (the layout a mesh runs unless told)."""
+    from gateway.settings import GatewaySettings
+
+    return str(GatewaySettings.model_fields["postprocessor_transport"].default)
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """Everything one bench run needs (from the command line)."""
@@ -123,6 +130,9 @@ class BenchOptions:
     worker_transport: str = field(default_factory=router_worker_transport)
     """The router's worker_transport in every mesh the bench starts (session or calls);
     the router's own default unless set."""
+    postprocessor_transport: str = field(default_factory=gateway_postprocessor_transport)
+    """The gateway's postprocessor_transport in every mesh the bench starts: ``local``
+    runs the postprocessing in the gateway's process and starts no postprocessor."""
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -192,6 +202,10 @@ def _router_settings(opts: BenchOptions, batch_max_wait_ms: float | None) -> dic
     return settings
 
 
+def _gateway_settings(opts: BenchOptions) -> dict[str, Any]:
+    return {"drain_seconds": 0, "postprocessor_transport": opts.postprocessor_transport}
+
+
 def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None = None) -> Any:
     from llmesh.meshconfig import GatewayConfig, MeshConfig, RouterConfig, WorkerConfig
     from llmesh.procs import free_port
@@ -200,7 +214,7 @@ def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None =
     return MeshConfig(
         model=str(opts.model_dir),
         served_model_name=opts.model_name,
-        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings={"drain_seconds": 0}),
+        gateway=GatewayConfig(port=free_port(), http_port=free_port(), settings=_gateway_settings(opts)),
         router=RouterConfig(settings=router_settings),
         workers=[WorkerConfig(
             zone="zone-a", device="cpu", engine="vllm", cpu_omp_threads_bind=opts.omp_bind,
@@ -431,7 +445,7 @@ def _fake_mesh_config(opts: BenchOptions, *, token_delay_ms: float, batch_max_wa
     from llmesh.procs import free_port
 
     router_settings = _router_settings(opts, batch_max_wait_ms)
-    gateway_settings: dict[str, Any] = {"drain_seconds": 0}
+    gateway_settings = _gateway_settings(opts)
     if stream_interval != 1:
         gateway_settings["stream_interval"] = stream_interval
     if stream_max_delay_ms:
@@ -754,6 +768,7 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
         "stream_interval": opts.stream_interval,
         "gateway_processes": opts.gateway_processes,
         "worker_transport": opts.worker_transport,
+        "postprocessor_transport": opts.postprocessor_transport,
         "stream_max_delay_ms": opts.stream_max_delay_ms or "gateway default",
         "deltas_per_request": round(deltas / len(ok), 1) if ok else None,
         "tokens_per_delta": round(tokens / deltas, 2) if deltas else None,
@@ -908,6 +923,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--worker-transport", choices=("session", "calls"), default=router_worker_transport(),
                    help="the router's worker_transport in every mesh the bench starts "
                    "(default: the router's default, %(default)s)")
+    e.add_argument("--postprocessor-transport", choices=("session", "calls", "local"),
+                   default=gateway_postprocessor_transport(),
+                   help="the gateway's postprocessor_transport in every mesh the bench starts; local runs "
+                   "the postprocessing in the gateway's process, with no postprocessor process "
+                   "(default: the gateway's default, %(default)s)")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")
@@ -957,6 +977,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         stream_max_delay_ms=args.stream_max_delay_ms,
         gateway_processes=args.gateway_processes,
         worker_transport=args.worker_transport,
+        postprocessor_transport=args.postprocessor_transport,
     )
 
 
@@ -987,6 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
                        "kvcache_gb": opts.kvcache_gb, "enforce_eager": True,
                        "omp_threads_bind": opts.omp_bind},
             "worker_transport": opts.worker_transport,
+        "postprocessor_transport": opts.postprocessor_transport,
             "workload": {"prompt_words": list(opts.workload.prompt_words),
                          "output_tokens": list(opts.workload.output_tokens),
                          "requests_per_level": {str(c): opts.requests_for(c) for c in opts.levels},
