@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from opentelemetry import trace
 
+from gateway.tiers import tier_prefixed
 from gateway.types import PostConfig, PostDelta, PostFinal
 from services.common.errors import LlmeshError, map_exception
 from services.common.metrics import record_request
@@ -167,6 +168,8 @@ class LocalPostprocessorTier:
             span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
             span.end()
             record_request("postprocessor", "Process", map_exception(exc).code.name, 0.0, "local")
+            if isinstance(exc, LlmeshError):
+                raise tier_prefixed(exc, "postprocessor") from None
             raise
         span.set_attribute("llmesh.model", session.model.name)
         metrics.REQUESTS.labels(session.model.name).inc()

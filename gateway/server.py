@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
 from gateway.localpost import LocalPostprocessorTier
+from gateway.localtokenizer import LocalTokenizerTier
 from gateway.postsession import SessionPostprocessorTier
 from gateway.routersession import SessionRouterTier
 from gateway.servicer import AuthGate, InferenceServicer
@@ -18,18 +19,24 @@ from gateway.tiers import GrpcPostprocessorTier, GrpcRouterTier, GrpcTokenizerTi
 from gateway.tokenizersession import SessionTokenizerTier
 from llmesh.router.v1 import router_pb2
 from llmesh.v1 import inference_pb2, inference_pb2_grpc
+from services.common.limits import RequestLimitSettings
 from services.common.readiness import UpstreamHealth
 from services.common.server import ServerHandle, create_server, run_until_signal
 from services.postprocessor.core import PostprocessCore
 from services.postprocessor.server import build_core as build_postprocessor_core
 from services.postprocessor.server import warm_up as warm_up_postprocessor
 from services.postprocessor.settings import PostprocessorSettings
+from services.tokenizer.core import TokenizerCore
+from services.tokenizer.server import build_core as build_tokenizer_core
+from services.tokenizer.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
+TokenizerTiers = GrpcTokenizerTier | SessionTokenizerTier | LocalTokenizerTier
+"""The tokenizer tier of any transport (settings.tokenizer_transport)."""
 PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier | LocalPostprocessorTier
 """The postprocessor tier of any transport (settings.postprocessor_transport)."""
 
@@ -38,7 +45,7 @@ PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier | LocalPos
 class Gateway:
     handle: ServerHandle
     core: GatewayCore
-    tiers: tuple[GrpcTokenizerTier, GrpcRouterTier, PostprocessorTiers]
+    tiers: tuple[TokenizerTiers, GrpcRouterTier, PostprocessorTiers]
     audit: AuditLog
 
     @property
@@ -51,16 +58,21 @@ class Gateway:
         self.audit.close()
 
 
-def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokenizerTier, GrpcRouterTier,
+def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[TokenizerTiers, GrpcRouterTier,
                                                                       PostprocessorTiers], AuditLog]:
     tls = settings.client_tls
-    tokenizer_tier = SessionTokenizerTier if settings.tokenizer_transport == "session" else GrpcTokenizerTier
-    tokenizer = tokenizer_tier(settings.tokenizer_targets, tls)
+    tokenizer: TokenizerTiers
+    if settings.tokenizer_transport == "local":
+        tokenizer = LocalTokenizerTier(build_local_tokenizer(settings))
+    elif settings.tokenizer_transport == "session":
+        tokenizer = SessionTokenizerTier(settings.tokenizer_targets, tls)
+    else:
+        tokenizer = GrpcTokenizerTier(settings.tokenizer_targets, tls)
     router_tier = SessionRouterTier if settings.router_transport == "session" else GrpcRouterTier
     router = router_tier(settings.router_targets, tls)
     post: PostprocessorTiers
     if settings.postprocessor_transport == "local":
-        post = LocalPostprocessorTier(build_local_postprocessor(settings.postprocessor_models))
+        post = LocalPostprocessorTier(build_local_postprocessor(settings.local_models))
     elif settings.postprocessor_transport == "session":
         post = SessionPostprocessorTier(settings.postprocessor_targets, tls)
     else:
@@ -82,6 +94,14 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[GrpcTokeni
         audit=audit,
     )
     return core, (tokenizer, router, post), audit
+
+
+def build_local_tokenizer(settings: GatewaySettings) -> TokenizerCore:
+    """The in-process tokenizer's core: the tier's own, with the gateway's request limits
+    (the limits the two tiers share)."""
+    limits = {name: getattr(settings, name) for name in RequestLimitSettings.model_fields}
+    return build_tokenizer_core(TokenizerSettings(
+        models=settings.local_models, encode_threads=settings.local_encode_threads, **limits))
 
 
 def build_local_postprocessor(models: list[str]) -> PostprocessCore:

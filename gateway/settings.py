@@ -24,13 +24,16 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     """Public gRPC port."""
     tokenizer_targets: list[str] = ["127.0.0.1:50061"]
     """Tokenizer tier replicas (host:port, or dns:///name:port)."""
-    tokenizer_transport: Literal["calls", "session"] = "session"
+    tokenizer_transport: Literal["calls", "session", "local"] = "session"
     """How requests reach the tokenizers: ``session`` (one long-lived Session per tokenizer
     replica carrying every request's Encode: the encodes asked for in one moment share a
-    message, and the replica answers what is ready in one frame) or ``calls`` (one Encode
-    call per request). ListModels is always a call. Under ``session`` a tokenizer replica
-    without Session (an older release, during a rolling upgrade) gets calls on its own, and
-    is asked for Session again after a minute."""
+    message, and the replica answers what is ready in one frame), ``calls`` (one Encode
+    call per request; ListModels is always a call) or ``local`` (no tokenizer tier: the
+    gateway renders and encodes in its own process with the tokenizers of
+    ``local_models`` and the request limits below; tokenizer_targets is then unused).
+    Under ``session`` a tokenizer replica without Session (an older release, during a
+    rolling upgrade) gets calls on its own, and is asked for Session again after a
+    minute."""
     router_targets: list[str] = ["127.0.0.1:50071"]
     """Router replicas; a stream whose router dies is resumed through the next one."""
     router_transport: Literal["calls", "session"] = "session"
@@ -49,13 +52,17 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     replays its requests into another replica), ``calls`` (one Process stream per
     request) or ``local`` (no postprocessor tier: the gateway runs the same pipeline in
     its own process on the router's frames as they arrive, with the tokenizers of
-    ``postprocessor_models``; postprocessor_targets is then unused). Under ``session`` a
+    ``local_models``; postprocessor_targets is then unused). Under ``session`` a
     postprocessor replica without Session (an older release, during a rolling upgrade)
     gets calls on its own, and is asked for Session again after a minute."""
-    postprocessor_models: list[str] = []
-    """Models of the in-process postprocessor (postprocessor_transport ``local``) as
-    ``name=dir`` or ``dir``, the same list the tokenizer tier serves; empty: the prepared
-    default model (smollm2-135m-instruct)."""
+    local_models: list[str] = []
+    """Models of the gateway's in-process tiers (tokenizer_transport or
+    postprocessor_transport ``local``) as ``name=dir`` or ``dir``, the first the default,
+    as the tokenizer and postprocessor tiers take them; empty: the prepared default model
+    (smollm2-135m-instruct)."""
+    local_encode_threads: int = Field(default=2, ge=1)
+    """Threads encoding prompts for tokenizer_transport ``local`` (the tokenizer tier's
+    encode_threads)."""
     default_model: str = ""
     """Model used when a request leaves ``model`` empty; empty means the tokenizer tier's default."""
     tenants_file: str = ""

@@ -59,7 +59,7 @@ def domain_error(err: grpc.aio.AioRpcError, *, tier: str, strip: Sequence[str] =
     message = err.details() or code.name
     if is_transport_failure(err):
         return TierUnavailable(f"{tier}: {message}")
-    return _tier_prefixed(errors.error_from_rpc(err, field_prefixes=tuple(strip)), tier)
+    return tier_prefixed(errors.error_from_rpc(err, field_prefixes=tuple(strip)), tier)
 
 
 def request_error(
@@ -71,10 +71,10 @@ def request_error(
     message = proto.message or code.name
     if code in _TRANSPORT_CODES or (code is grpc.StatusCode.INTERNAL and broken_link(message)):
         return TierUnavailable(f"{tier}: {message}")
-    return _tier_prefixed(mapped, tier)
+    return tier_prefixed(mapped, tier)
 
 
-def _tier_prefixed(mapped: errors.LlmeshError, tier: str) -> errors.LlmeshError:
+def tier_prefixed(mapped: errors.LlmeshError, tier: str) -> errors.LlmeshError:
     # Field violations and RetryInfo speak to the caller as they are; other messages say
     # which tier answered.
     if not isinstance(mapped, errors.InvalidArgument | errors.ResourceExhausted):

@@ -79,11 +79,11 @@ def router_worker_transport() -> str:
     return str(RouterSettings.model_fields["worker_transport"].default)
 
 
-def gateway_postprocessor_transport() -> str:
-    """The gateway's default postprocessor_transport (the layout a mesh runs unless told)."""
+def gateway_transport(tier: str) -> str:
+    """The gateway's default ``<tier>_transport`` (the layout a mesh runs unless told)."""
     from gateway.settings import GatewaySettings
 
-    return str(GatewaySettings.model_fields["postprocessor_transport"].default)
+    return str(GatewaySettings.model_fields[f"{tier}_transport"].default)
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,11 @@ class BenchOptions:
     worker_transport: str = field(default_factory=router_worker_transport)
     """The router's worker_transport in every mesh the bench starts (session or calls);
     the router's own default unless set."""
-    postprocessor_transport: str = field(default_factory=gateway_postprocessor_transport)
+    postprocessor_transport: str = field(default_factory=lambda: gateway_transport("postprocessor"))
     """The gateway's postprocessor_transport in every mesh the bench starts: ``local``
     runs the postprocessing in the gateway's process and starts no postprocessor."""
+    tokenizer_transport: str = field(default_factory=lambda: gateway_transport("tokenizer"))
+    """The gateway's tokenizer_transport likewise (``local``: no tokenizer process)."""
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -203,7 +205,8 @@ def _router_settings(opts: BenchOptions, batch_max_wait_ms: float | None) -> dic
 
 
 def _gateway_settings(opts: BenchOptions) -> dict[str, Any]:
-    return {"drain_seconds": 0, "postprocessor_transport": opts.postprocessor_transport}
+    return {"drain_seconds": 0, "postprocessor_transport": opts.postprocessor_transport,
+            "tokenizer_transport": opts.tokenizer_transport}
 
 
 def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None = None) -> Any:
@@ -769,6 +772,7 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
         "gateway_processes": opts.gateway_processes,
         "worker_transport": opts.worker_transport,
         "postprocessor_transport": opts.postprocessor_transport,
+        "tokenizer_transport": opts.tokenizer_transport,
         "stream_max_delay_ms": opts.stream_max_delay_ms or "gateway default",
         "deltas_per_request": round(deltas / len(ok), 1) if ok else None,
         "tokens_per_delta": round(tokens / deltas, 2) if deltas else None,
@@ -924,10 +928,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's worker_transport in every mesh the bench starts "
                    "(default: the router's default, %(default)s)")
     e.add_argument("--postprocessor-transport", choices=("session", "calls", "local"),
-                   default=gateway_postprocessor_transport(),
+                   default=gateway_transport("postprocessor"),
                    help="the gateway's postprocessor_transport in every mesh the bench starts; local runs "
                    "the postprocessing in the gateway's process, with no postprocessor process "
                    "(default: the gateway's default, %(default)s)")
+    e.add_argument("--tokenizer-transport", choices=("session", "calls", "local"),
+                   default=gateway_transport("tokenizer"),
+                   help="the gateway's tokenizer_transport in every mesh the bench starts; local encodes "
+                   "in the gateway's process, with no tokenizer process (default: %(default)s)")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")
@@ -978,6 +986,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         gateway_processes=args.gateway_processes,
         worker_transport=args.worker_transport,
         postprocessor_transport=args.postprocessor_transport,
+        tokenizer_transport=args.tokenizer_transport,
     )
 
 
@@ -1009,6 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
                        "omp_threads_bind": opts.omp_bind},
             "worker_transport": opts.worker_transport,
         "postprocessor_transport": opts.postprocessor_transport,
+        "tokenizer_transport": opts.tokenizer_transport,
             "workload": {"prompt_words": list(opts.workload.prompt_words),
                          "output_tokens": list(opts.workload.output_tokens),
                          "requests_per_level": {str(c): opts.requests_for(c) for c in opts.levels},

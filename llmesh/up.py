@@ -188,14 +188,15 @@ class Mesh:
         cfg = self.config
         self._ensure_certs()
         model_flag = json.dumps([f"{self.model_name}={self.model_dir}"])
+        # A transport "local": the gateway runs that tier's work itself, and none starts.
+        local_tok = cfg.gateway.settings.get("tokenizer_transport") == "local"
+        local_post = cfg.gateway.settings.get("postprocessor_transport") == "local"
         tokenizers = [
             self._spawn(f"tokenizer-{i}", "tokenizer",
                         ["--models", model_flag, *_flags(cfg.tokenizer.settings)],
                         port=free_port(self.host), processes=cfg.tokenizer.processes)
-            for i in range(cfg.tokenizer.replicas)
+            for i in range(0 if local_tok else cfg.tokenizer.replicas)
         ]
-        # postprocessor_transport "local": the gateway runs the postprocessing itself.
-        local_post = cfg.gateway.settings.get("postprocessor_transport") == "local"
         posts = [
             self._spawn(f"postprocessor-{i}", "postprocessor",
                         ["--models", model_flag, *_flags(cfg.postprocessor.settings)],
@@ -234,7 +235,8 @@ class Mesh:
                 f"router-{i}", "router",
                 ["--workers", json.dumps(worker_list), "--zones", json.dumps(zones),
                  "--degraded-zones", json.dumps(cfg.router.degraded_zones),
-                 "--tokenizer-target", tokenizers[0].address,
+                 *(["--tokenizer-models", model_flag] if local_tok
+                   else ["--tokenizer-target", tokenizers[0].address]),
                  *self._client_tls_flags("router"), *_flags(cfg.router.settings)],
                 port=free_port(self.host),
             )
@@ -242,10 +244,10 @@ class Mesh:
         ]
         self._wait(routers, timeout=120)
         gw_args = [
-            "--tokenizer-targets", json.dumps([p.address for p in tokenizers]),
             "--router-targets", json.dumps([p.address for p in routers]),
-            *(["--postprocessor-models", model_flag] if local_post
-              else ["--postprocessor-targets", json.dumps([p.address for p in posts])]),
+            *(["--local-models", model_flag] if local_tok or local_post else []),
+            *([] if local_tok else ["--tokenizer-targets", json.dumps([p.address for p in tokenizers])]),
+            *([] if local_post else ["--postprocessor-targets", json.dumps([p.address for p in posts])]),
             "--default-filter-mode", cfg.gateway.default_filter_mode,
             *self._client_tls_flags("gateway"), *_flags(cfg.gateway.settings),
         ]

@@ -261,7 +261,7 @@ def mesh_values(cls: type[BaseSettings], config: Any, explicit: dict[str, Any]) 
         for name in ("tokenizer", "router", "postprocessor"):
             if getattr(config, name).address:
                 values[f"{name}_targets"] = [getattr(config, name).address]
-        values["postprocessor_models"] = [f"{served}={model}"]  # postprocessor_transport local
+        values["local_models"] = [f"{served}={model}"]  # the in-process tiers (transport local)
         values.update(gw.settings)
     elif tier in ("tokenizer", "postprocessor"):
         values["models"] = [f"{served}={model}"]

@@ -44,6 +44,27 @@ def tokenizer_checksums(settings: RouterSettings) -> ChecksumSource:
     return fetch
 
 
+def local_checksums(specs: list[str]) -> ChecksumSource:
+    """Expected checksums of the tokenizers of ``specs`` (``name=dir``), computed once here."""
+    from services.tokenizer.loader import load_models
+
+    checksums = {name: model.checksum for name, model in load_models(specs).items()}
+
+    async def fetch() -> dict[str, str]:
+        return dict(checksums)
+
+    return fetch
+
+
+def checksum_source(settings: RouterSettings) -> ChecksumSource | None:
+    """Where the workers' tokenizer checksums are checked against, if anywhere."""
+    if settings.tokenizer_target:
+        return tokenizer_checksums(settings)
+    if settings.tokenizer_models:
+        return local_checksums(list(settings.tokenizer_models))
+    return None
+
+
 @dataclass
 class RouterServer:
     handle: ServerHandle
@@ -64,7 +85,7 @@ async def build_server(
     router = Router(
         settings,
         connect or (lambda address: GrpcWorkerClient(address, tls=tls)),
-        checksum_source=tokenizer_checksums(settings) if settings.tokenizer_target else None,
+        checksum_source=checksum_source(settings),
     )
     servicer = RouterServicer(router)
     handle = await create_server(

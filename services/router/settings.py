@@ -76,6 +76,10 @@ class RouterSettings(ServerSettings):
     """Expected tokenizer checksum per model (JSON object model -> sha256:...)."""
     tokenizer_target: str = ""
     """Tokenizer tier address; its ListModels supplies expected tokenizer checksums."""
+    tokenizer_models: list[str] = []
+    """Without tokenizer_target: models (``name=dir``) whose tokenizer files give the
+    expected checksums, read here (a mesh whose gateway tokenizes in its own process,
+    tokenizer_transport local, has no tokenizer tier to ask)."""
     load_interval_ms: int = 150
     """Milliseconds between the load reports each worker streams (WatchLoad); after a
     session frame carried the load, or after a report of an idle worker, the next report

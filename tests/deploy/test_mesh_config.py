@@ -64,7 +64,7 @@ def test_each_tier_takes_its_part(mesh_file: Path) -> None:
     assert (gw.tokenizer_targets, gw.router_targets, gw.postprocessor_targets) == (
         ["dns:///tok:50061"], ["dns:///router:50071"], ["dns:///post:50062"])
     # What its in-process postprocessor would load (postprocessor_transport local).
-    assert list(gw.postprocessor_models) == ["chat=/models/chat"]
+    assert list(gw.local_models) == ["chat=/models/chat"]
     tok = build(TokenizerSettings, [flag])
     assert list(tok.models) == ["chat=/models/chat"] and tok.encode_threads == 3
     assert list(build(PostprocessorSettings, [flag]).models) == ["chat=/models/chat"]

@@ -141,11 +141,11 @@ async def test_greedy_stream_equals_unary(engine_channel):
     assert final.usage.completion_tokens == unary.usage.completion_tokens
 
 
-async def test_the_gateways_in_process_postprocessor_gives_the_tiers_text_real_engine(
-        engine_channel, engine_mesh):
-    """postprocessor_transport local over the real engine: a gateway in this process, on
-    the mesh's tokenizer and routers, detokenizes in its own process and streams the text
-    (a stop string spanning tokens included) the mesh's postprocessor tier gives."""
+async def test_the_gateways_in_process_tiers_give_the_tiers_text_real_engine(engine_channel, engine_mesh):
+    """tokenizer_transport and postprocessor_transport local over the real engine: a
+    gateway in this process, on the mesh's routers, encodes and detokenizes in its own
+    process and streams the text (a stop string spanning tokens included) the mesh's
+    tokenizer and postprocessor tiers give."""
     from gateway.server import create_gateway
     from gateway.settings import GatewaySettings
     from tests.tokenizer.helpers import running_server
@@ -154,9 +154,8 @@ async def test_the_gateways_in_process_postprocessor_gives_the_tiers_text_real_e
         return [p.address for p in engine_mesh.procs if p.tier == tier]
 
     settings = GatewaySettings(
-        port=0, http_port=-1, drain_seconds=0, postprocessor_transport="local",
-        postprocessor_models=[f"{engine_mesh.model_name}={engine_mesh.model_dir}"],
-        tokenizer_targets=targets("tokenizer"), router_targets=targets("router"),
+        port=0, http_port=-1, drain_seconds=0, postprocessor_transport="local", tokenizer_transport="local",
+        local_models=[f"{engine_mesh.model_name}={engine_mesh.model_dir}"], router_targets=targets("router"),
     )
     gateway = None
 

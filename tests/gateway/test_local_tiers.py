@@ -1,12 +1,16 @@
-"""The gateway's in-process postprocessor (postprocessor_transport: local).
+"""The gateway's in-process tiers (tokenizer_transport and postprocessor_transport: local).
 
-Tier level: a request run in the gateway's process releases what a postprocessor
-replica's Process stream releases (stop strings across tokens, redaction, skip_chars,
-the stop string kept), text reaches a listener inside the feeding call, a request's bad
-input is its own error naming the field, and a long replay leaves the event loop free
-between slices. Mesh level: ``llmesh up`` with the local transport starts no
-postprocessor process, and concurrent streams give the text a gateway over a
-postprocessor replica gives. The real-engine case is in test_gateway_engine_mesh.py.
+Tier level: a request run in the gateway's process gets what a replica gives it. The
+tokenizer: the same token ids, checksum and model list, and for bad input the same error
+(type, public field paths, message) as a tokenizer replica's answer; its deadline holds.
+The postprocessor: the text and final a Process stream releases (stop strings across
+tokens, redaction, blocking, skip_chars, the stop string kept), text handed to a listener
+inside the feeding call, a request's bad input its own error naming the field, and a
+long replay leaving the event loop free between slices. Mesh level: ``llmesh up`` with
+both transports local starts neither a tokenizer nor a postprocessor (the router checks
+the workers' tokenizer checksums from the model's files), and concurrent streams give
+the text a gateway over the tier replicas gives. The real-engine case is in
+test_gateway_engine_mesh.py.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import grpc
 import pytest
 
 from gateway.localpost import LocalPost, LocalPostprocessorTier
-from gateway.server import build_local_postprocessor, create_gateway
+from gateway.localtokenizer import LocalTokenizerTier
+from gateway.server import build_local_postprocessor, build_local_tokenizer, create_gateway
 from gateway.settings import GatewaySettings
-from gateway.tiers import GrpcPostprocessorTier
-from gateway.types import PostConfig, PostDelta, PostFinal
+from gateway.tiers import GrpcPostprocessorTier, GrpcTokenizerTier
+from gateway.types import ChatTurn, PostConfig, PostDelta, PostFinal
 from llmesh.meshconfig import MeshConfig, RouterConfig, WorkerConfig
 from llmesh.procs import free_port
 from llmesh.up import Mesh
@@ -32,7 +37,12 @@ from services.common import errors
 from services.postprocessor.server import build_server, warm_up
 from services.postprocessor.session import SLICE_TOKENS
 from services.postprocessor.settings import PostprocessorSettings
+from services.router.server import checksum_source, local_checksums
+from services.router.settings import RouterSettings
 from services.tokenizer.loader import load_models
+from services.tokenizer.server import build_server as build_tokenizer_server
+from services.tokenizer.server import warm_up as warm_up_tokenizer
+from services.tokenizer.settings import TokenizerSettings
 from tests.gateway.conftest import gateway_address, running_mesh
 from tests.gateway.helpers import collect_stream, stream_request, stub
 from tests.tokenizer.helpers import running_server
@@ -56,6 +66,82 @@ async def post_server(tiny_deepseek_dir: Path) -> AsyncIterator[str]:
     settings = PostprocessorSettings(port=0, models=[f"{MODEL}={tiny_deepseek_dir}"], drain_seconds=0)
     async with running_server(lambda: build_server(settings), warm_up, tier="postprocessor") as server:
         yield f"127.0.0.1:{server[0].port}"
+
+
+@pytest.fixture(scope="module")
+async def tokenizer_server(tiny_deepseek_dir: Path) -> AsyncIterator[str]:
+    """A tokenizer replica in this process: the reference."""
+    settings = TokenizerSettings(port=0, models=[f"{MODEL}={tiny_deepseek_dir}"], drain_seconds=0,
+                                 max_input_chars=64)
+    async with running_server(lambda: build_tokenizer_server(settings), warm_up_tokenizer,
+                              tier="tokenizer") as server:
+        yield f"127.0.0.1:{server[0].port}"
+
+
+@pytest.fixture(scope="module")
+def local_tokenizer(tiny_deepseek_dir: Path) -> LocalTokenizerTier:
+    # The gateway's request limits are the tokenizer's: the same max_input_chars.
+    settings = GatewaySettings(local_models=[f"{MODEL}={tiny_deepseek_dir}"], max_input_chars=64)
+    return LocalTokenizerTier(build_local_tokenizer(settings))
+
+
+async def _outcome(tier: Any, **kwargs: Any) -> Any:
+    try:
+        return await tier.encode(**{"model": MODEL, "prompt": "", "messages": [],
+                                    "add_generation_prompt": None, "timeout": 10, **kwargs})
+    except errors.LlmeshError as exc:
+        violations = [(v.field, v.description) for v in getattr(exc, "violations", [])]
+        return type(exc), exc.message, violations
+
+
+ENCODES: list[dict[str, Any]] = [
+    {"prompt": "The capital of France is"},
+    {"messages": [ChatTurn("system", "Be brief."), ChatTurn("user", "Capital of France?")]},
+    {"messages": [ChatTurn("user", "Capital of France?")], "add_generation_prompt": False},
+    {"model": "", "prompt": "the default model"},
+    # Bad input: every error as a replica's answer gives it.
+    {"model": "gpt-17", "prompt": "hello"},
+    {},
+    {"prompt": "both", "messages": [ChatTurn("user", "at once")]},
+    {"prompt": "x" * 65},
+    {"messages": [ChatTurn("wizard", "hello")]},
+    {"messages": [ChatTurn("user", "fine"), ChatTurn("user", "y" * 65)]},
+]
+
+
+async def test_a_local_encode_gives_what_a_replica_gives(tokenizer_server, local_tokenizer):
+    remote = GrpcTokenizerTier([tokenizer_server])
+    try:
+        for kwargs in ENCODES:
+            want = await _outcome(remote, **kwargs)
+            got = await _outcome(local_tokenizer, **kwargs)
+            assert got == want, kwargs
+        assert await local_tokenizer.list_models(timeout=5) == await remote.list_models(timeout=5)
+    finally:
+        await remote.close()
+    ok = [await _outcome(local_tokenizer, **kwargs) for kwargs in ENCODES[:4]]
+    assert all(r.token_ids and r.tokenizer_checksum for r in ok)
+    errs = [await _outcome(local_tokenizer, **kwargs) for kwargs in ENCODES[4:]]
+    assert errs[0][0] is errors.NotFound and errs[0][1].startswith("tokenizer: ")
+    assert [e[2][0][0] for e in errs[2:]] == ["input", "prompt", "messages[0].role", "messages[1].content"]
+
+
+async def test_a_local_encode_keeps_the_deadline(local_tokenizer):
+    with pytest.raises(errors.DeadlineExceeded):
+        await local_tokenizer.encode(MODEL, "hello", [], add_generation_prompt=None, timeout=0)
+
+
+async def test_the_router_checks_workers_against_the_models_own_checksums(
+        tokenizer_server, tiny_deepseek_dir):
+    remote = GrpcTokenizerTier([tokenizer_server])
+    try:
+        listed = {m.id: m.tokenizer_checksum for m in await remote.list_models(timeout=5)}
+    finally:
+        await remote.close()
+    assert await local_checksums([f"{MODEL}={tiny_deepseek_dir}"])() == listed
+    source = checksum_source(RouterSettings(tokenizer_models=[f"{MODEL}={tiny_deepseek_dir}"]))
+    assert source is not None and await source() == listed
+    assert checksum_source(RouterSettings()) is None
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +276,8 @@ def local_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory
         model=str(tiny_deepseek_dir),
         served_model_name=MODEL,  # the reference replica's name
         gateway={"port": free_port(), "http_port": -1,
-                 "settings": {"drain_seconds": 0, "postprocessor_transport": "local"}},
+                 "settings": {"drain_seconds": 0, "postprocessor_transport": "local",
+                              "tokenizer_transport": "local"}},
         router=RouterConfig(zones=["zone-a", "zone-b"]),
         workers=[
             WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 10}),
@@ -202,15 +289,15 @@ def local_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-async def replica_gateway(local_mesh: Mesh, post_server: str) -> AsyncIterator[str]:
-    """A gateway in this process over the same tokenizer and router, with a postprocessor
-    replica (Session transport): the reference."""
+async def replica_gateway(local_mesh: Mesh, post_server: str, tokenizer_server: str) -> AsyncIterator[str]:
+    """A gateway in this process over the same router, with a tokenizer and a
+    postprocessor replica (Session transports): the reference."""
 
     def targets(tier: str) -> list[str]:
         return [p.address for p in local_mesh.procs if p.tier == tier]
 
     settings = GatewaySettings(
-        port=0, http_port=-1, drain_seconds=0, tokenizer_targets=targets("tokenizer"),
+        port=0, http_port=-1, drain_seconds=0, tokenizer_targets=[tokenizer_server],
         router_targets=targets("router"), postprocessor_targets=[post_server],
     )
     gateway = None
@@ -239,8 +326,9 @@ async def _streams(address: str,
     return [(text, final) for text, final, _ in results]
 
 
-async def test_the_local_mesh_runs_no_postprocessor_and_gives_a_replicas_text(local_mesh, replica_gateway):
-    assert not [p for p in local_mesh.procs if p.tier == "postprocessor"]
+async def test_the_local_mesh_runs_no_tokenizer_or_postprocessor_and_gives_the_replicas_text(
+        local_mesh, replica_gateway):
+    assert sorted({p.tier for p in local_mesh.procs}) == ["gateway", "router", "worker"]
     prompts = [f"prompt number {i} about {'failover ' * (i % 3)}" for i in range(10)]
     plain = [_request(p) for p in prompts]
     reference = await _streams(replica_gateway, plain)
