@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +96,30 @@ def session_frame_ports(log_dir: Path) -> tuple[dict[str, set[int]], dict[str, s
             served.setdefault(name, set()).add(int(port))
         called.setdefault(tier, set()).update(int(p) for p in _CALLS_FRAMES.findall(text))
     return served, called
+
+
+@contextlib.asynccontextmanager
+async def gateway_in_process(settings: Any) -> AsyncIterator[str]:
+    """A gateway server built from ``settings`` (GatewaySettings) in this process, serving
+    until the block ends; yields its address."""
+    from gateway.server import create_gateway
+    from tests.tokenizer.helpers import running_server
+
+    gateway = None
+
+    async def build() -> tuple[Any, Any]:
+        nonlocal gateway
+        gateway = await create_gateway(settings)
+        return gateway.handle, gateway
+
+    async with running_server(build, tier="gateway") as (handle, _, _):
+        yield f"127.0.0.1:{handle.port}"
+    assert gateway is not None
+    await gateway.close()
+
+
+async def concurrent_streams(address: str, requests: list[Any], timeout: float = 60) -> list[tuple[str, Any]]:
+    """Every GenerateStream request at once over one channel: (text, final) of each."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        results = await asyncio.gather(*(collect_stream(stub(channel), r, timeout=timeout) for r in requests))
+    return [(text, final) for text, final, _ in results]

@@ -18,7 +18,15 @@ import pytest
 
 from llmesh.v1 import inference_pb2
 from llmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.gateway.helpers import collect_stream, request, session_frame_ports, stream_request, stub
+from tests.gateway.helpers import (
+    collect_stream,
+    concurrent_streams,
+    gateway_in_process,
+    request,
+    session_frame_ports,
+    stream_request,
+    stub,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -146,9 +154,7 @@ async def test_the_gateways_in_process_tiers_give_the_tiers_text_real_engine(eng
     gateway in this process, on the mesh's routers, encodes and detokenizes in its own
     process and streams the text (a stop string spanning tokens included) the mesh's
     tokenizer and postprocessor tiers give."""
-    from gateway.server import create_gateway
     from gateway.settings import GatewaySettings
-    from tests.tokenizer.helpers import running_server
 
     def targets(tier: str) -> list[str]:
         return [p.address for p in engine_mesh.procs if p.tier == tier]
@@ -157,13 +163,6 @@ async def test_the_gateways_in_process_tiers_give_the_tiers_text_real_engine(eng
         port=0, http_port=-1, drain_seconds=0, postprocessor_transport="local", tokenizer_transport="local",
         local_models=[f"{engine_mesh.model_name}={engine_mesh.model_dir}"], router_targets=targets("router"),
     )
-    gateway = None
-
-    async def build():
-        nonlocal gateway
-        gateway = await create_gateway(settings)
-        return gateway.handle, gateway
-
     kwargs = {"messages": PARIS, "sampling": {"temperature": 0.0, "max_tokens": 24}}
     want, want_final, _ = await collect_stream(stub(engine_channel), stream_request(**kwargs))
     assert "Paris" in want
@@ -171,11 +170,9 @@ async def test_the_gateways_in_process_tiers_give_the_tiers_text_real_engine(eng
     stopped = {"messages": PARIS, "sampling": {"temperature": 0.0, "max_tokens": 24, "stop": ["ris"]}}
     want_stopped, _, _ = await collect_stream(stub(engine_channel), stream_request(**stopped))
     assert want_stopped == want[:cut]
-    async with running_server(build, tier="gateway") as (_, _, channel):
-        text, final, _ = await collect_stream(stub(channel), stream_request(**kwargs))
-        text_stopped, final_stopped, _ = await collect_stream(stub(channel), stream_request(**stopped))
-    assert gateway is not None
-    await gateway.close()
+    async with gateway_in_process(settings) as address:
+        (text, final), (text_stopped, final_stopped) = await concurrent_streams(
+            address, [stream_request(**kwargs), stream_request(**stopped)])
     assert text == want and final.usage.completion_tokens == want_final.usage.completion_tokens
     assert text_stopped == want_stopped and final_stopped.matched_stop == "ris"
     assert final_stopped.finish_reason == inference_pb2.FINISH_REASON_STOP

@@ -25,7 +25,7 @@ import pytest
 
 from gateway.localpost import LocalPost, LocalPostprocessorTier
 from gateway.localtokenizer import LocalTokenizerTier
-from gateway.server import build_local_postprocessor, build_local_tokenizer, create_gateway
+from gateway.server import build_local_postprocessor, build_local_tokenizer
 from gateway.settings import GatewaySettings
 from gateway.tiers import GrpcPostprocessorTier, GrpcTokenizerTier
 from gateway.types import ChatTurn, PostConfig, PostDelta, PostFinal
@@ -44,7 +44,7 @@ from services.tokenizer.server import build_server as build_tokenizer_server
 from services.tokenizer.server import warm_up as warm_up_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from tests.gateway.conftest import gateway_address, running_mesh
-from tests.gateway.helpers import collect_stream, stream_request, stub
+from tests.gateway.helpers import collect_stream, concurrent_streams, gateway_in_process, stream_request, stub
 from tests.tokenizer.helpers import running_server
 
 MODEL = "tiny"
@@ -300,17 +300,8 @@ async def replica_gateway(local_mesh: Mesh, post_server: str, tokenizer_server: 
         port=0, http_port=-1, drain_seconds=0, tokenizer_targets=[tokenizer_server],
         router_targets=targets("router"), postprocessor_targets=[post_server],
     )
-    gateway = None
-
-    async def build() -> tuple[Any, Any]:
-        nonlocal gateway
-        gateway = await create_gateway(settings)
-        return gateway.handle, gateway
-
-    async with running_server(build, tier="gateway") as (handle, _, _):
-        yield f"127.0.0.1:{handle.port}"
-    assert gateway is not None
-    await gateway.close()
+    async with gateway_in_process(settings) as address:
+        yield address
 
 
 def _request(prompt: str, **sampling: Any) -> inference_pb2.GenerateStreamRequest:
@@ -319,23 +310,16 @@ def _request(prompt: str, **sampling: Any) -> inference_pb2.GenerateStreamReques
                                     **sampling})
 
 
-async def _streams(address: str,
-                   requests: list[inference_pb2.GenerateStreamRequest]) -> list[tuple[str, Any]]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        results = await asyncio.gather(*(collect_stream(stub(channel), r, timeout=60) for r in requests))
-    return [(text, final) for text, final, _ in results]
-
-
 async def test_the_local_mesh_runs_no_tokenizer_or_postprocessor_and_gives_the_replicas_text(
         local_mesh, replica_gateway):
     assert sorted({p.tier for p in local_mesh.procs}) == ["gateway", "router", "worker"]
     prompts = [f"prompt number {i} about {'failover ' * (i % 3)}" for i in range(10)]
     plain = [_request(p) for p in prompts]
-    reference = await _streams(replica_gateway, plain)
+    reference = await concurrent_streams(replica_gateway, plain)
     stops = [text[len(text) // 2:len(text) // 2 + 4] for text, _ in reference]
     stopped = [_request(p, stop=[s]) for p, s in zip(prompts, stops, strict=True)]
-    reference += await _streams(replica_gateway, stopped)
-    got = await _streams(gateway_address(local_mesh), plain + stopped)
+    reference += await concurrent_streams(replica_gateway, stopped)
+    got = await concurrent_streams(gateway_address(local_mesh), plain + stopped)
     for (want_text, want), (text, final) in zip(reference, got, strict=True):
         assert text == want_text
         assert (final.finish_reason, final.matched_stop, final.usage.completion_tokens) == (

@@ -28,7 +28,6 @@ import pytest
 from gateway import sessionlink
 from gateway.core import TierUnavailable
 from gateway.postsession import SessionPostprocessorTier
-from gateway.server import create_gateway
 from gateway.settings import GatewaySettings
 from gateway.tiers import GrpcPostprocessorTier
 from gateway.types import PostConfig, PostDelta, PostFinal
@@ -44,7 +43,7 @@ from services.postprocessor.servicer import PostprocessServicer
 from services.postprocessor.settings import PostprocessorSettings
 from services.tokenizer.loader import load_models
 from tests.gateway.conftest import gateway_address, running_mesh
-from tests.gateway.helpers import collect_stream, stream_request, stub
+from tests.gateway.helpers import concurrent_streams, gateway_in_process, stream_request, stub
 from tests.router.helpers import wait_for
 from tests.tokenizer.helpers import running_server
 
@@ -343,29 +342,13 @@ async def calls_gateway(session_mesh: Mesh) -> AsyncIterator[str]:
         tokenizer_targets=targets("tokenizer"), router_targets=targets("router"),
         postprocessor_targets=targets("postprocessor"),
     )
-    gateway = None
-
-    async def build() -> tuple[Any, Any]:
-        nonlocal gateway
-        gateway = await create_gateway(settings)
-        return gateway.handle, gateway
-
-    async with running_server(build, tier="gateway") as (handle, _, _):
-        yield f"127.0.0.1:{handle.port}"
-    assert gateway is not None
-    await gateway.close()
+    async with gateway_in_process(settings) as address:
+        yield address
 
 
 def _request(prompt: str, **sampling: Any) -> inference_pb2.GenerateStreamRequest:
     return stream_request(prompt=prompt, sampling={"max_tokens": MAX_TOKENS, "temperature": 0.0,
                                                    "ignore_eos": True, **sampling})
-
-
-async def _streams(address: str,
-                   requests: list[inference_pb2.GenerateStreamRequest]) -> list[tuple[str, Any]]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        results = await asyncio.gather(*(collect_stream(stub(channel), r, timeout=60) for r in requests))
-    return [(text, final) for text, final, _ in results]
 
 
 def _same(a: Any, b: Any) -> None:
@@ -377,12 +360,12 @@ def _same(a: Any, b: Any) -> None:
 async def test_concurrent_streams_give_the_text_of_calls(session_mesh, calls_gateway):
     prompts = [f"prompt number {i} about {'failover ' * (i % 3)}" for i in range(12)]
     plain = [_request(p) for p in prompts]
-    reference = await _streams(calls_gateway, plain)
+    reference = await concurrent_streams(calls_gateway, plain)
     # Stop strings taken from the middle of each reference text: they span tokens.
     stops = [text[len(text) // 2:len(text) // 2 + 4] for text, _ in reference]
     stopped = [_request(p, stop=[s]) for p, s in zip(prompts, stops, strict=True)]
-    reference += await _streams(calls_gateway, stopped)
-    got = await _streams(gateway_address(session_mesh), plain + stopped)
+    reference += await concurrent_streams(calls_gateway, stopped)
+    got = await concurrent_streams(gateway_address(session_mesh), plain + stopped)
     for (want_text, want_final), (text, final) in zip(reference, got, strict=True):
         assert text == want_text
         _same(final, want_final)
@@ -409,7 +392,7 @@ async def test_postprocessor_killed_mid_stream_fails_no_stream(session_mesh, cal
     """Last in this module: it leaves one postprocessor replica dead."""
     posts = [p for p in session_mesh.procs if p.tier == "postprocessor"]
     requests = [_request(f"tell me about failover, take {i}") for i in range(6)]
-    reference = await _streams(calls_gateway, requests)
+    reference = await concurrent_streams(calls_gateway, requests)
     before = {p.name: _metric(p, "llmesh_postprocessor_tokens_total") for p in posts}
     victim: TierProcess | None = None
     picking = False
