@@ -28,6 +28,7 @@ from services.postprocessor.server import warm_up as warm_up_postprocessor
 from services.postprocessor.settings import PostprocessorSettings
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.server import build_core as build_tokenizer_core
+from services.tokenizer.server import warm_up as warm_up_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,10 @@ async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = No
     http_runner = None
 
     async def warmup() -> None:
-        post = gateway.tiers[2]
+        # The in-process tiers warm up as their own processes would.
+        tokenizer, _, post = gateway.tiers
+        if isinstance(tokenizer, LocalTokenizerTier):
+            await warm_up_tokenizer(tokenizer.core)
         if isinstance(post, LocalPostprocessorTier):
             await warm_up_postprocessor(post.core)
         # Ready once the tokenizer tier answers: without it no request can be served.

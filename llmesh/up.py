@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="llmesh up",
         description="Start a whole local mesh (tokenizer, postprocessor, workers, router, gateway) "
         "on the embedded default model, wait until every process is SERVING, print the endpoints, "
-        "and stop everything on Ctrl-C or SIGTERM.",
+        "and stop everything on Ctrl-C or SIGTERM. With the gateway's tokenizer_transport or "
+        "postprocessor_transport 'local' (the mesh config's gateway settings) that tier runs in the "
+        "gateway's process and none is started.",
     )
     parser.add_argument("--config", help="mesh YAML (see deploy/local/*.yaml); default: one CPU worker")
     parser.add_argument("--log-dir", help="where process logs go (default ${LLMESH_HOME}/run/logs)")

@@ -334,3 +334,13 @@ async def test_the_local_mesh_names_a_bad_stop_string(local_mesh):
             await collect_stream(stub(channel), _request("hello", stop=["x" * 300]), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "stop" in (err.value.details() or "")
+
+
+def test_the_edge_example_config_is_this_layout():
+    """deploy/local/edge.yaml runs the layout the mesh above runs (its gateway settings
+    are valid GatewaySettings)."""
+    from llmesh.meshconfig import load_mesh_config
+
+    config = load_mesh_config(Path(__file__).resolve().parents[2] / "deploy" / "local" / "edge.yaml")
+    settings = GatewaySettings(**config.gateway.settings)
+    assert (settings.tokenizer_transport, settings.postprocessor_transport) == ("local", "local")
