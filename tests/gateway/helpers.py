@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
-from collections.abc import AsyncIterator
+import signal
+import urllib.request
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +126,29 @@ async def concurrent_streams(address: str, requests: list[Any], timeout: float =
     async with grpc.aio.insecure_channel(address) as channel:
         results = await asyncio.gather(*(collect_stream(stub(channel), r, timeout=timeout) for r in requests))
     return [(text, final) for text, final, _ in results]
+
+
+def metric_total(proc: Any, name: str) -> float:
+    """The sum of every sample of metric ``name`` on a tier process's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(m.group(2)) for line in text.splitlines()
+               if (m := re.match(rf"^{name}(\{{.*\}})?\s+(\S+)$", line)))
+
+
+async def stream_and_kill(channel: grpc.aio.Channel, request: Any, pick_victim: Callable[[], Any],
+                          after_deltas: int = 5) -> tuple[str, Any, Any]:
+    """Stream ``request``; after ``after_deltas`` deltas kill -9 the process
+    ``pick_victim`` names (called off the event loop). Returns (text, final, victim)."""
+    parts: list[str] = []
+    final = None
+    victim = None
+    async for item in stub(channel).GenerateStream(request, timeout=60):
+        if item.HasField("delta"):
+            parts.append(item.delta.text)
+            if victim is None and len(parts) == after_deltas:
+                victim = await asyncio.to_thread(pick_victim)
+                os.kill(victim.pid, signal.SIGKILL)
+        else:
+            final = item.final
+    assert final is not None and victim is not None
+    return "".join(parts), final, victim

@@ -7,11 +7,6 @@ a stream must leave the client with one continuous stream and the same text.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import re
-import signal
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +18,7 @@ from llmesh.procs import TierProcess, free_port
 from llmesh.up import Mesh
 from llmesh.v1 import inference_pb2
 from tests.gateway.conftest import gateway_address, running_mesh
-from tests.gateway.helpers import collect_stream, stream_request, stub
+from tests.gateway.helpers import collect_stream, metric_total, stream_and_kill, stream_request, stub
 
 PROMPT = "tell me about failover"
 MAX_TOKENS = 120
@@ -45,16 +40,6 @@ def ha_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield mesh
 
 
-def _metric(proc: TierProcess, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"^{name}(\{{.*\}})?\s+(\S+)$", line)
-        if match:
-            total += float(match.group(2))
-    return total
-
-
 def _request() -> inference_pb2.GenerateStreamRequest:
     return stream_request(prompt=PROMPT, sampling={"max_tokens": MAX_TOKENS, "temperature": 0.0,
                                                    "ignore_eos": True})
@@ -66,33 +51,17 @@ async def _reference(channel: grpc.aio.Channel) -> str:
     return text
 
 
-async def _stream_and_kill(channel, pick_victim) -> tuple[str, inference_pb2.GenerateResponse, TierProcess]:
-    parts: list[str] = []
-    final = None
-    victim = None
-    async for item in stub(channel).GenerateStream(_request(), timeout=60):
-        if item.HasField("delta"):
-            parts.append(item.delta.text)
-            if victim is None and len(parts) == 5:
-                victim = await asyncio.to_thread(pick_victim)
-                os.kill(victim.pid, signal.SIGKILL)
-        else:
-            final = item.final
-    assert final is not None and victim is not None
-    return "".join(parts), final, victim
-
-
 async def test_router_killed_mid_stream_is_resumed_through_the_other(ha_mesh):
     routers = [p for p in ha_mesh.procs if p.tier == "router"]
     async with grpc.aio.insecure_channel(gateway_address(ha_mesh)) as channel:
         reference = await _reference(channel)
 
         def carrier() -> TierProcess:
-            busy = [p for p in routers if p.alive() and _metric(p, "llmesh_router_worker_in_flight") > 0]
+            busy = [p for p in routers if p.alive() and metric_total(p, "llmesh_router_worker_in_flight") > 0]
             assert len(busy) == 1, "exactly one router should carry the stream"
             return busy[0]
 
-        text, final, victim = await _stream_and_kill(channel, carrier)
+        text, final, victim = await stream_and_kill(channel, _request(), carrier)
     victim.popen.wait(10)
     assert text == reference
     assert final.usage.completion_tokens == MAX_TOKENS
@@ -104,14 +73,14 @@ async def test_postprocessor_killed_mid_stream_is_replayed_into_the_other(ha_mes
     posts = [p for p in ha_mesh.procs if p.tier == "postprocessor"]
     async with grpc.aio.insecure_channel(gateway_address(ha_mesh)) as channel:
         reference = await _reference(channel)
-        before = {p.name: _metric(p, "llmesh_postprocessor_tokens_total") for p in posts}
+        before = {p.name: metric_total(p, "llmesh_postprocessor_tokens_total") for p in posts}
 
         def carrier() -> TierProcess:
             moved = [p for p in posts if p.alive()
-                     and _metric(p, "llmesh_postprocessor_tokens_total") > before[p.name]]
+                     and metric_total(p, "llmesh_postprocessor_tokens_total") > before[p.name]]
             assert len(moved) == 1, "exactly one postprocessor should carry the stream"
             return moved[0]
 
-        text, final, _ = await _stream_and_kill(channel, carrier)
+        text, final, _ = await stream_and_kill(channel, _request(), carrier)
     assert text == reference
     assert final.usage.completion_tokens == MAX_TOKENS

@@ -44,7 +44,15 @@ from services.tokenizer.server import build_server as build_tokenizer_server
 from services.tokenizer.server import warm_up as warm_up_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from tests.gateway.conftest import gateway_address, running_mesh
-from tests.gateway.helpers import collect_stream, concurrent_streams, gateway_in_process, stream_request, stub
+from tests.gateway.helpers import (
+    collect_stream,
+    concurrent_streams,
+    gateway_in_process,
+    metric_total,
+    stream_and_kill,
+    stream_request,
+    stub,
+)
 from tests.tokenizer.helpers import running_server
 
 MODEL = "tiny"
@@ -278,7 +286,7 @@ def local_mesh(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory
         gateway={"port": free_port(), "http_port": -1,
                  "settings": {"drain_seconds": 0, "postprocessor_transport": "local",
                               "tokenizer_transport": "local"}},
-        router=RouterConfig(zones=["zone-a", "zone-b"]),
+        router=RouterConfig(replicas=2, zones=["zone-a", "zone-b"]),
         workers=[
             WorkerConfig(zone="zone-a", engine="fake", settings={"fake_token_delay_ms": 10}),
             WorkerConfig(zone="zone-b", engine="fake", settings={"fake_token_delay_ms": 10}),
@@ -344,3 +352,29 @@ def test_the_edge_example_config_is_this_layout():
     config = load_mesh_config(Path(__file__).resolve().parents[2] / "deploy" / "local" / "edge.yaml")
     settings = GatewaySettings(**config.gateway.settings)
     assert (settings.tokenizer_transport, settings.postprocessor_transport) == ("local", "local")
+
+
+async def test_a_router_killed_mid_stream_resumes_with_the_same_text_last(local_mesh):
+    """Last in this module (it leaves one router dead): the stream moves to the other
+    router, and the gateway's own postprocessing, which saw every token, goes on as if
+    nothing happened: the same greedy text, a stop string past the kill still matched."""
+    routers = [p for p in local_mesh.procs if p.tier == "router"]
+    plain = _request("tell me about failover", max_tokens=120)
+    async with grpc.aio.insecure_channel(gateway_address(local_mesh)) as channel:
+        reference, _, _ = await collect_stream(stub(channel), plain)
+        stop = reference[len(reference) * 3 // 4:len(reference) * 3 // 4 + 4]
+        stopped = _request("tell me about failover", max_tokens=120, stop=[stop])
+        want, want_final, _ = await collect_stream(stub(channel), stopped)
+        assert want_final.matched_stop == stop
+
+        def carrier() -> Any:
+            busy = [p for p in routers if p.alive() and metric_total(p, "llmesh_router_worker_in_flight") > 0]
+            assert len(busy) == 1, "exactly one router should carry the stream"
+            return busy[0]
+
+        text, final, victim = await stream_and_kill(channel, stopped, carrier)
+    victim.popen.wait(10)
+    assert text == want and final.matched_stop == stop
+    assert final.finish_reason == inference_pb2.FINISH_REASON_STOP
+    assert final.usage.completion_tokens == want_final.usage.completion_tokens
+    assert final.served_by.resumed >= 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -43,7 +42,7 @@ from services.postprocessor.servicer import PostprocessServicer
 from services.postprocessor.settings import PostprocessorSettings
 from services.tokenizer.loader import load_models
 from tests.gateway.conftest import gateway_address, running_mesh
-from tests.gateway.helpers import concurrent_streams, gateway_in_process, stream_request, stub
+from tests.gateway.helpers import concurrent_streams, gateway_in_process, metric_total, stream_request, stub
 from tests.router.helpers import wait_for
 from tests.tokenizer.helpers import running_server
 
@@ -373,12 +372,6 @@ async def test_concurrent_streams_give_the_text_of_calls(session_mesh, calls_gat
     assert sum(f.finish_reason == inference_pb2.FINISH_REASON_STOP for _, f in got[len(prompts):]) >= 10
 
 
-def _metric(proc: TierProcess, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
-    return sum(float(m.group(2)) for line in text.splitlines()
-               if (m := re.match(rf"^{name}(\{{.*\}})?\s+(\S+)$", line)))
-
-
 def _replays(gateway: TierProcess) -> float:
     """Streams the gateway replayed into another postprocessor replica."""
     url = f"http://127.0.0.1:{gateway.metrics_port}/metrics"
@@ -393,7 +386,7 @@ async def test_postprocessor_killed_mid_stream_fails_no_stream(session_mesh, cal
     posts = [p for p in session_mesh.procs if p.tier == "postprocessor"]
     requests = [_request(f"tell me about failover, take {i}") for i in range(6)]
     reference = await concurrent_streams(calls_gateway, requests)
-    before = {p.name: _metric(p, "llmesh_postprocessor_tokens_total") for p in posts}
+    before = {p.name: metric_total(p, "llmesh_postprocessor_tokens_total") for p in posts}
     victim: TierProcess | None = None
     picking = False
     killed = asyncio.Event()
@@ -409,7 +402,8 @@ async def test_postprocessor_killed_mid_stream_fails_no_stream(session_mesh, cal
                     picking = True  # one stream picks and kills the victim
                     # The session of either replica carries some of these streams.
                     moved = await asyncio.to_thread(lambda: [
-                        p for p in posts if _metric(p, "llmesh_postprocessor_tokens_total") > before[p.name]])
+                        p for p in posts
+                        if metric_total(p, "llmesh_postprocessor_tokens_total") > before[p.name]])
                     victim = moved[0]
                     os.kill(victim.pid, signal.SIGKILL)
                     killed.set()
