@@ -60,12 +60,25 @@ class LocalPost:
         """A final or an error came: nothing more is fed or released."""
         self.closed = False
         self.started = time.perf_counter()
-        self._tokens = metrics.TOKENS.labels(session.model.name)
+        self.fed = 0
+        """Tokens fed, counted into the tier's token counter once, when the request ends
+        (the counter takes a lock per increment; the postprocessor tier counts once per
+        message for the same reason)."""
 
     def send_tokens_nowait(self, token_ids: list[int]) -> bool:
         """Feed a step's tokens at once; never waits (the pump's fast path)."""
-        if not (self.finished or self.closed):
-            self._advance(lambda: self.session.feed(token_ids), len(token_ids))
+        if self.finished or self.closed:
+            return True
+        try:
+            step = self.session.feed(token_ids)
+        except Exception as exc:
+            self._fail(exc)
+            return True
+        self.fed += len(token_ids)
+        if step.text:
+            self._release(step.text)
+        if step.final is not None:
+            self._finish(step)
         return True
 
     async def send_tokens(self, token_ids: list[int]) -> None:
@@ -77,9 +90,16 @@ class LocalPost:
             self.send_tokens_nowait(token_ids[start:start + SLICE_TOKENS])
 
     async def send_end(self, finish_reason: str) -> None:
-        if not (self.finished or self.closed):
-            upstream = _UPSTREAM.get(finish_reason, UpstreamFinish.ERROR)
-            self._advance(lambda: self.session.end(upstream), 0)
+        if self.finished or self.closed:
+            return
+        try:
+            step = self.session.end(_UPSTREAM.get(finish_reason, UpstreamFinish.ERROR))
+        except Exception as exc:
+            self._fail(exc)
+            return
+        if step.text:
+            self._release(step.text)
+        self._finish(step)
 
     def listen(self, on_text: Callable[[str], None]) -> None:
         """Hand released text to ``on_text`` as it is released; :meth:`read` then returns
@@ -98,27 +118,24 @@ class LocalPost:
             return
         self.closed = True
         if not self.finished:
+            self._count_tokens()
             self._record("CANCELLED")
             self.span.set_attribute("llmesh.dropped", "closed by the caller")
             self.span.end()
 
-    def _advance(self, step_of: Callable[[], Step], fed: int) -> None:
-        try:
-            step = step_of()
-        except Exception as exc:
-            self._fail(exc)
-            return
-        if fed:
-            self._tokens.inc(fed)
-        if step.text:
-            if self.on_text is not None:
-                self.on_text(step.text)
-            else:
-                self.items.put_nowait(PostDelta(text=step.text))
+    def _release(self, text: str) -> None:
+        on_text = self.on_text
+        if on_text is not None:
+            on_text(text)
+        else:
+            self.items.put_nowait(PostDelta(text=text))
+
+    def _finish(self, step: Step) -> None:
+        """The step's final: the request ends, its final waits in :meth:`read`."""
         final = step.final
-        if final is None:
-            return
+        assert final is not None
         self.finished = True
+        self._count_tokens()
         metrics.FINISHES.labels(final.finish_reason.value).inc()
         if final.matched_stop:
             metrics.STOP_STRING_HITS.labels(self.session.model.name).inc()
@@ -136,6 +153,7 @@ class LocalPost:
         """The request's own error (a token outside the vocabulary, a stream too long):
         it ends this request only."""
         self.finished = True
+        self._count_tokens()
         if not isinstance(error, LlmeshError):
             log.error("postprocessing a request failed", exc_info=error)
         code = map_exception(error).code.name
@@ -143,6 +161,11 @@ class LocalPost:
         self.span.end()
         self._record(code)
         self.items.put_nowait(error)
+
+    def _count_tokens(self) -> None:
+        if self.fed:
+            metrics.TOKENS.labels(self.session.model.name).inc(self.fed)
+            self.fed = 0
 
     def _record(self, code: str) -> None:
         record_request("postprocessor", "Process", code, time.perf_counter() - self.started, "local")

@@ -239,7 +239,14 @@ async def test_a_requests_bad_input_is_its_own_error(local_tier, encode):
     await bad.close()
 
 
+def _tokens_counted() -> float:
+    from services.postprocessor import metrics
+
+    return metrics.TOKENS.labels(MODEL)._value.get()
+
+
 async def test_an_unfinished_request_closed_by_the_pump_takes_no_more_tokens(local_tier, encode):
+    counted = _tokens_counted()
     session = await local_tier.open(0, PostConfig(model=MODEL, stop=[]), timeout=10)
     heard: list[str] = []
     session.listen(heard.append)
@@ -248,6 +255,20 @@ async def test_an_unfinished_request_closed_by_the_pump_takes_no_more_tokens(loc
     session.send_tokens_nowait(encode(" three"))
     await session.send_end("stop")
     assert "".join(heard) == "one two" and session.items.empty()
+    # The tier's token counter has the tokens it fed, counted once at the end.
+    assert _tokens_counted() - counted == len(encode("one two"))
+
+
+async def test_a_finished_request_counts_its_tokens_once(local_tier, encode):
+    counted = _tokens_counted()
+    session = await local_tier.open(0, PostConfig(model=MODEL, stop=[]), timeout=10)
+    ids = encode(TEXT)
+    for i in range(0, len(ids), 2):
+        session.send_tokens_nowait(ids[i:i + 2])
+    assert _tokens_counted() == counted  # nothing per step
+    await session.send_end("length")
+    _, final = await _drain(session)
+    assert final.completion_tokens == len(ids) and _tokens_counted() - counted == len(ids)
 
 
 async def test_a_long_replay_leaves_the_event_loop_free_between_slices(local_tier, encode):
