@@ -22,6 +22,7 @@ from tests.gateway.helpers import (
     collect_stream,
     concurrent_streams,
     gateway_in_process,
+    metric_total,
     request,
     session_frame_ports,
     stream_request,
@@ -295,13 +296,11 @@ async def _ha_run(channel, pick_victim=None):
 
 
 async def test_router_killed_mid_stream_same_greedy_text_real_engine(engine_channel, engine_mesh):
-    from tests.gateway.test_gateway_ha import _metric
-
     routers = [p for p in engine_mesh.procs if p.tier == "router"]
     reference, ref_final, _ = await _ha_run(engine_channel)
 
     def carrier():
-        busy = [p for p in routers if p.alive() and _metric(p, "llmesh_router_worker_in_flight") > 0]
+        busy = [p for p in routers if p.alive() and metric_total(p, "llmesh_router_worker_in_flight") > 0]
         assert len(busy) == 1
         return busy[0]
 
@@ -313,15 +312,13 @@ async def test_router_killed_mid_stream_same_greedy_text_real_engine(engine_chan
 
 
 async def test_postprocessor_killed_mid_stream_same_greedy_text_real_engine(engine_channel, engine_mesh):
-    from tests.gateway.test_gateway_ha import _metric
-
     posts = [p for p in engine_mesh.procs if p.tier == "postprocessor"]
     reference, _, _ = await _ha_run(engine_channel)
-    before = {p.name: _metric(p, "llmesh_postprocessor_tokens_total") for p in posts if p.alive()}
+    before = {p.name: metric_total(p, "llmesh_postprocessor_tokens_total") for p in posts if p.alive()}
 
     def carrier():
         moved = [p for p in posts if p.alive()
-                 and _metric(p, "llmesh_postprocessor_tokens_total") > before[p.name]]
+                 and metric_total(p, "llmesh_postprocessor_tokens_total") > before[p.name]]
         assert len(moved) == 1
         return moved[0]
 
