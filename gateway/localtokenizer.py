@@ -38,17 +38,16 @@ class LocalTokenizerTier:
             messages=tuple(ChatMessage(role=m.role, content=m.content) for m in messages),
             add_generation_prompt=add_generation_prompt,
         )
+        limit = timeout if timeout is not None and math.isfinite(timeout) else None
         try:
-            prepared = self.core.prepare(item, _FIELD)
-            encoding = self.core.encode_prepared(prepared)
-            if timeout is not None and math.isfinite(timeout):
-                result = await asyncio.wait_for(encoding, max(timeout, 0.0))
-            else:
-                result = await encoding
+            # A timeout scope, not wait_for: no task of its own per request.
+            async with asyncio.timeout(limit):
+                result = await self.core.encode(item, _FIELD)
         except TimeoutError:
             raise errors.DeadlineExceeded("tokenizer: deadline passed") from None
         except errors.LlmeshError as exc:
-            raise tier_prefixed(public_fields(exc), "tokenizer") from None
+            public = errors.with_public_fields(exc, TOKENIZER_FIELD_PREFIXES)
+            raise tier_prefixed(public, "tokenizer") from None
         count_encoded(item, result)
         return Encoded(model=result.model, token_ids=result.token_ids,
                        tokenizer_checksum=result.tokenizer_checksum, truncated=result.truncated)
@@ -63,19 +62,3 @@ class LocalTokenizerTier:
 
     async def close(self) -> None:
         self.core.close()
-
-
-def public_fields(exc: errors.LlmeshError) -> errors.LlmeshError:
-    """``exc`` with its field violations' paths as the public request names them."""
-    if not isinstance(exc, errors.InvalidArgument):
-        return exc
-    violations = [
-        errors.FieldViolation(v.field[len(prefix):] if (prefix := _prefix_of(v.field)) else v.field,
-                              v.description)
-        for v in exc.violations
-    ]
-    return errors.InvalidArgument.many(violations)
-
-
-def _prefix_of(path: str) -> str:
-    return next((p for p in TOKENIZER_FIELD_PREFIXES if path.startswith(p)), "")

@@ -165,6 +165,24 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[LlmeshError]] = {
 }
 
 
+def public_field(path: str, prefixes: tuple[str, ...]) -> str:
+    """A violation's field path as the caller's request names it: the first of
+    ``prefixes`` it starts with (an internal request's wrapper) removed."""
+    for prefix in prefixes:
+        if path.startswith(prefix):
+            return path[len(prefix):]
+    return path
+
+
+def with_public_fields(exc: LlmeshError, prefixes: tuple[str, ...]) -> LlmeshError:
+    """``exc`` with its field violations' paths as :func:`public_field` gives them (an
+    error raised in this process by a tier's code that names its own request's fields)."""
+    if not isinstance(exc, InvalidArgument):
+        return exc
+    return InvalidArgument.many([FieldViolation(public_field(v.field, prefixes), v.description)
+                                 for v in exc.violations])
+
+
 def error_from_status(
     code: grpc.StatusCode, message: str, status: status_pb2.Status | None = None,
     *, field_prefixes: tuple[str, ...] = (),
@@ -176,10 +194,7 @@ def error_from_status(
     """
 
     def public(path: str) -> str:
-        for prefix in field_prefixes:
-            if path.startswith(prefix):
-                return path[len(prefix):]
-        return path
+        return public_field(path, field_prefixes)
 
     details = list(status.details) if status is not None else []
     if code is grpc.StatusCode.INVALID_ARGUMENT:
@@ -231,14 +246,8 @@ def request_error_from_proto(
     """The status code and llmesh error of one failed request of a multi-request call
     (``field_prefixes`` are stripped from violation paths as in :func:`error_from_status`)."""
     code = _CODE_BY_NUMBER.get(proto.code, grpc.StatusCode.UNKNOWN)
-
-    def public(path: str) -> str:
-        for prefix in field_prefixes:
-            if path.startswith(prefix):
-                return path[len(prefix):]
-        return path
-
-    violations = [FieldViolation(public(v.field), v.description) for v in proto.field_violations]
+    violations = [FieldViolation(public_field(v.field, field_prefixes), v.description)
+                  for v in proto.field_violations]
     if code is grpc.StatusCode.INVALID_ARGUMENT and violations:
         return code, InvalidArgument.many(violations)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and proto.retry_after_s > 0:

@@ -191,27 +191,20 @@ async def test_a_local_request_releases_what_a_replica_releases(post_server, loc
     assert expected[1][1].matched_stop == "Shanghai" and expected[3][1].finish_reason == "content_filter"
 
     # Read back (text queued until read), and listened (text handed over in the call).
-    read_back = []
-    for config in CONFIGS:
-        session = await local_tier.open(0, config, timeout=10)
-        for i in range(0, len(ids), 3):
-            assert session.send_tokens_nowait(ids[i:i + 3])
-        await session.send_end("length")
-        read_back.append(await _drain(session))
-    assert read_back == expected
-
-    listened = []
-    for config in CONFIGS:
-        session = await local_tier.open(0, config, timeout=10)
-        heard: list[str] = []
-        session.listen(heard.append)
-        for i in range(0, len(ids), 3):
-            before = len(heard)
-            session.send_tokens_nowait(ids[i:i + 3])
-            assert all(heard[before:])  # only released text, never an empty piece
-        await session.send_end("length")
-        listened.append(await _drain(session, heard))
-    assert listened == expected
+    for listen in (False, True):
+        got = []
+        for config in CONFIGS:
+            session = await local_tier.open(0, config, timeout=10)
+            heard: list[str] = []
+            if listen:
+                session.listen(heard.append)
+            for i in range(0, len(ids), 3):
+                before = len(heard)
+                assert session.send_tokens_nowait(ids[i:i + 3])
+                assert all(heard[before:])  # only released text, never an empty piece
+            await session.send_end("length")
+            got.append(await _drain(session, heard))
+        assert got == expected, f"listen={listen}"
 
 
 async def test_a_requests_bad_input_is_its_own_error(local_tier, encode):
