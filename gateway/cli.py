@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from gateway.settings import GatewaySettings
 from services.common import eventloop
@@ -22,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_settings_arguments(parser, GatewaySettings)
     args = parser.parse_args(argv)
-    settings = settings_from_args(GatewaySettings, args)
+    try:
+        settings = settings_from_args(GatewaySettings, args)
+    except ValueError as exc:
+        print(f"llmesh gateway: invalid settings: {exc}", file=sys.stderr)
+        return 2
     setup_logging("gateway", settings.log_level, settings.log_format)
     # --processes N forks here, before any grpc object exists (services/common/processes.py);
     # the gRPC and HTTP ports are shared by every process.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
@@ -13,7 +14,7 @@ from gateway.localtokenizer import LocalTokenizerTier
 from gateway.postsession import SessionPostprocessorTier
 from gateway.routersession import SessionRouterTier
 from gateway.servicer import AuthGate, InferenceServicer
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, local_router_settings
 from gateway.tenants import TenantRegistry, load_tenants
 from gateway.tiers import GrpcPostprocessorTier, GrpcRouterTier, GrpcTokenizerTier
 from gateway.tokenizersession import SessionTokenizerTier
@@ -22,10 +23,12 @@ from llmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.common.limits import RequestLimitSettings
 from services.common.readiness import UpstreamHealth
 from services.common.server import ServerHandle, create_server, run_until_signal
+from services.common.settings import TlsSettings
 from services.postprocessor.core import PostprocessCore
 from services.postprocessor.server import build_core as build_postprocessor_core
 from services.postprocessor.server import warm_up as warm_up_postprocessor
 from services.postprocessor.settings import PostprocessorSettings
+from services.router.settings import RouterSettings
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.server import build_core as build_tokenizer_core
 from services.tokenizer.server import warm_up as warm_up_tokenizer
@@ -69,8 +72,8 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[TokenizerT
         tokenizer = SessionTokenizerTier(settings.tokenizer_targets, tls)
     else:
         tokenizer = GrpcTokenizerTier(settings.tokenizer_targets, tls)
-    router_tier = SessionRouterTier if settings.router_transport == "session" else GrpcRouterTier
-    router = router_tier(settings.router_targets, tls)
+    router_tier = SessionRouterTier if settings.router_transport in ("session", "local") else GrpcRouterTier
+    router = router_tier(settings.router_targets, router_tls(settings))
     post: PostprocessorTiers
     if settings.postprocessor_transport == "local":
         post = LocalPostprocessorTier(build_local_postprocessor(settings.local_models))
@@ -127,7 +130,68 @@ async def create_gateway(settings: GatewaySettings) -> Gateway:
     return Gateway(handle=handle, core=core, tiers=tiers, audit=audit)
 
 
+def router_tls(settings: GatewaySettings) -> TlsSettings | None:
+    """TLS to the routers: none to the in-process router (loopback, this process only)."""
+    return None if settings.router_transport == "local" else settings.client_tls
+
+
+class LocalRouter:
+    """The router that router_transport ``local`` runs in the gateway's event loop: the
+    router tier's own server (services/router/server.py), started before the gateway and
+    stopped after it, so every stream the gateway drains still has its router."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.port = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    async def start(self) -> None:
+        from services.router.server import serve as router_serve
+
+        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_started(port: int) -> None:
+            if not started.done():
+                started.set_result(port)
+
+        # The router installs its SIGTERM/SIGINT handlers as it starts; the gateway's,
+        # installed after, replace them: a signal stops the gateway, which then stops this.
+        self._task = asyncio.create_task(router_serve(self.settings, stop_event=self._stop,
+                                                      on_started=on_started))
+        waits: set[asyncio.Future[Any]] = {self._task, started}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            self._task.result()  # raises why the router did not start
+            raise RuntimeError("the in-process router stopped before it listened")
+        self.port = started.result()
+        log.info("in-process router listening on %s", self.target)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+
 async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = None) -> None:
+    """Run the gateway until SIGTERM/SIGINT (or ``stop_event``); with router_transport
+    ``local``, its router in the same event loop (:class:`LocalRouter`)."""
+    if settings.router_transport != "local":
+        await _serve(settings, stop_event)
+        return
+    router = LocalRouter(local_router_settings(settings))
+    await router.start()
+    try:
+        await _serve(settings.model_copy(update={"router_targets": [router.target]}), stop_event)
+    finally:
+        await router.stop()
+
+
+async def _serve(settings: GatewaySettings, stop_event: asyncio.Event | None) -> None:
     gateway = await create_gateway(settings)
     http_runner = None
 
@@ -160,7 +224,7 @@ async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = No
 
     # Readiness follows the routers: ready while at least one router replica can serve
     # (a router is NOT_SERVING while none of its workers can), see services/common/readiness.py.
-    routers = UpstreamHealth(settings.router_targets, ROUTER_SERVICE, tls=settings.client_tls,
+    routers = UpstreamHealth(settings.router_targets, ROUTER_SERVICE, tls=router_tls(settings),
                              on_change=gateway.handle.readiness_changed.set)
     routers.start()
     gateway.handle.readiness = lambda: {SERVICE_NAME: routers.any_serving()}

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from gateway.validation import MAX_STREAM_INTERVAL, MAX_STREAM_MAX_DELAY_MS
 from services.common.limits import RequestLimits, RequestLimitSettings
 from services.common.retry import RetryPolicy
 from services.common.settings import ServerSettings
+from services.router.settings import RouterSettings
 
 
 class GatewaySettings(RequestLimitSettings, ServerSettings):
@@ -36,13 +37,21 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     minute."""
     router_targets: list[str] = ["127.0.0.1:50071"]
     """Router replicas; a stream whose router dies is resumed through the next one."""
-    router_transport: Literal["calls", "session"] = "session"
+    router_transport: Literal["calls", "session", "local"] = "session"
     """How requests reach the routers: ``session`` (one long-lived Session per router
     replica carrying every request: submissions of one moment share a message, and the
     router answers with one frame per step for all of them; a broken session resumes its
-    requests elsewhere) or ``calls`` (one Generate call per request, one message per token).
-    Under ``session`` a router replica without Session (an older release, during a rolling
-    upgrade) gets calls on its own, and is asked for Session again after a minute."""
+    requests elsewhere), ``calls`` (one Generate call per request, one message per token)
+    or ``local`` (no router tier: the gateway runs a router in its own process and event
+    loop with the settings of ``local_router``, reached by Session on a loopback port;
+    router_targets is then unused). Under ``session`` a router replica without Session
+    (an older release, during a rolling upgrade) gets calls on its own, and is asked for
+    Session again after a minute."""
+    local_router: dict[str, Any] = Field(default_factory=dict)
+    """Settings of the gateway's in-process router (router_transport ``local``), as the
+    router tier takes them (``llmesh router --help``: workers, zones, tokenizer_models,
+    downstream TLS to the workers, ...). It listens on 127.0.0.1, on a port of its own
+    choosing, in plaintext (only this process calls it); its metrics are the gateway's."""
     postprocessor_targets: list[str] = ["127.0.0.1:50062"]
     """Postprocessor replicas; a stream whose postprocessor dies is replayed into the next one."""
     postprocessor_transport: Literal["calls", "session", "local"] = "session"
@@ -128,3 +137,44 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
 
     def http_max_request_bytes(self) -> int:
         return self.max_request_bytes or self.limits().max_json_bytes()
+
+    @model_validator(mode="after")
+    def _local_router_is_a_router(self) -> GatewaySettings:
+        # A bad in-process router fails the gateway at start, naming the field, as a router
+        # process would fail with the same settings.
+        if self.router_transport == "local":
+            local_router_settings(self)
+        return self
+
+
+LOCAL_ROUTER_HOST = "127.0.0.1"
+
+
+def local_router_settings(settings: GatewaySettings) -> RouterSettings:
+    """The in-process router's settings (router_transport ``local``): ``local_router``'s,
+    listening on loopback in plaintext on a port it picks, without a metrics server of its
+    own (its metrics are in the gateway's registry) and without a drain of its own (the
+    gateway drained before it stops); its TLS to the workers is the gateway's
+    (``downstream_tls_*``) unless ``local_router`` sets it. Raises ValueError naming
+    ``local_router.<field>``."""
+    # TLS to the workers: the gateway's own unless local_router names the router's.
+    inherited = {key: getattr(settings, key)
+                 for key in ("downstream_tls_ca", "downstream_tls_cert", "downstream_tls_key")}
+    values = {**inherited, **settings.local_router, "host": LOCAL_ROUTER_HOST, "port": 0,
+              "metrics_port": -1, "tls_cert": "", "tls_key": "", "tls_client_ca": "", "drain_seconds": 0.0}
+    unknown = sorted(set(settings.local_router) - set(RouterSettings.model_fields))
+    if unknown:
+        raise ValueError(f"local_router.{unknown[0]}: not a router setting")
+    if not (values.get("workers") or values.get("workers_file") or values.get("dns_targets")):
+        raise ValueError("local_router.workers: router_transport local needs the router's workers "
+                         "(workers, workers_file or dns_targets)")
+    try:
+        router = RouterSettings.model_validate(values)
+        router.all_workers()
+    except ValidationError as exc:
+        problems = "; ".join(f"local_router.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors())
+        raise ValueError(problems) from None
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"local_router: {exc}") from None
+    return router

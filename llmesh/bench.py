@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import platform
 import signal
@@ -135,6 +136,9 @@ class BenchOptions:
     runs the postprocessing in the gateway's process and starts no postprocessor."""
     tokenizer_transport: str = field(default_factory=lambda: gateway_transport("tokenizer"))
     """The gateway's tokenizer_transport likewise (``local``: no tokenizer process)."""
+    router_transport: str = field(default_factory=lambda: gateway_transport("router"))
+    """The gateway's router_transport likewise (``local``: the router runs in the gateway's
+    process and event loop, no router process)."""
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)
@@ -206,7 +210,7 @@ def _router_settings(opts: BenchOptions, batch_max_wait_ms: float | None) -> dic
 
 def _gateway_settings(opts: BenchOptions) -> dict[str, Any]:
     return {"drain_seconds": 0, "postprocessor_transport": opts.postprocessor_transport,
-            "tokenizer_transport": opts.tokenizer_transport}
+            "tokenizer_transport": opts.tokenizer_transport, "router_transport": opts.router_transport}
 
 
 def _engine_mesh_config(opts: BenchOptions, *, batch_max_wait_ms: float | None = None) -> Any:
@@ -588,22 +592,25 @@ def run_overhead(opts: BenchOptions) -> dict[str, Any]:
     print("llmesh bench: starting a fake-engine mesh for the overhead measurement", file=sys.stderr)
     with _started_mesh(config, opts.log_dir / "overhead") as mesh:
         worker = next(p for p in mesh.procs if p.tier == "worker")
-        router = next(p for p in mesh.procs if p.tier == "router")
+        # No router process with router_transport local: no path straight to it.
+        router = next((p for p in mesh.procs if p.tier == "router"), None)
         gateway = f"{config.gateway.host}:{config.gateway.port}"
         http = mesh.state()["http"]
-        drivers = {
+        drivers: dict[str, Any] = {
             "worker (direct)": _TokenPathDriver(worker.address, "worker", opts.model_dir, opts.model_name),
-            "router (direct)": _TokenPathDriver(router.address, "router", opts.model_dir, opts.model_name),
             "gateway gRPC": LlmeshGrpcDriver(gateway, opts.model_name),
             "gateway HTTP": OpenAIHttpDriver(http, opts.model_name),
         }
+        if router is not None:
+            drivers["router (direct)"] = _TokenPathDriver(router.address, "router", opts.model_dir,
+                                                          opts.model_name)
         with _bar(opts, " overhead paths (interleaved)", 1) as bar:
             levels = asyncio.run(interleaved(drivers, requests))
             bar.update()
         paths = {name: _path_figures(level) for name, level in levels.items()}
 
     def p50(path: str, fig: str) -> float:
-        return float(paths[path][fig]["p50"])
+        return float(paths[path][fig]["p50"]) if path in paths else float("nan")
 
     added = {
         "router_ttft_p50": p50("router (direct)", "ttft_ms") - p50("worker (direct)", "ttft_ms"),
@@ -617,12 +624,13 @@ def run_overhead(opts: BenchOptions) -> dict[str, Any]:
         "requests_per_path": opts.overhead_requests,
         "output_tokens_per_request": spec.output_tokens[0],
         "paths": paths,
-        "added_ms": {k: round(v, 3) for k, v in added.items()},
+        "added_ms": {k: round(v, 3) for k, v in added.items() if not math.isnan(v)},
         "added_paired_ms": {
             key: round(paired_added_ms(levels, path, "worker (direct)"), 3)
             for key, path in (("router_ttft_p50", "router (direct)"),
                               ("router_gateway_ttft_p50", "gateway gRPC"),
                               ("router_gateway_http_ttft_p50", "gateway HTTP"))
+            if path in levels
         },
         "note": "gateway paths include the tokenizer and postprocessor calls; sequential requests, "
                 "each sent down every path in turn; added_paired_ms: median of per-request differences",
@@ -773,6 +781,7 @@ def run_capacity(opts: BenchOptions) -> dict[str, Any]:
         "worker_transport": opts.worker_transport,
         "postprocessor_transport": opts.postprocessor_transport,
         "tokenizer_transport": opts.tokenizer_transport,
+        "router_transport": opts.router_transport,
         "stream_max_delay_ms": opts.stream_max_delay_ms or "gateway default",
         "deltas_per_request": round(deltas / len(ok), 1) if ok else None,
         "tokens_per_delta": round(tokens / deltas, 2) if deltas else None,
@@ -936,6 +945,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=gateway_transport("tokenizer"),
                    help="the gateway's tokenizer_transport in every mesh the bench starts; local encodes "
                    "in the gateway's process, with no tokenizer process (default: %(default)s)")
+    e.add_argument("--router-transport", choices=("session", "calls", "local"),
+                   default=gateway_transport("router"),
+                   help="the gateway's router_transport in every mesh the bench starts; local runs the "
+                   "router in the gateway's process and event loop, with no router process (the "
+                   "overhead phase then has no router (direct) path) (default: %(default)s)")
     o.add_argument("--fake-token-delay-ms", type=float, default=20.0,
                    help="fake engine's delay per token in the batching phase")
     r = p.add_argument_group("output")
@@ -987,6 +1001,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         worker_transport=args.worker_transport,
         postprocessor_transport=args.postprocessor_transport,
         tokenizer_transport=args.tokenizer_transport,
+        router_transport=args.router_transport,
     )
 
 
@@ -1019,6 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
             "worker_transport": opts.worker_transport,
         "postprocessor_transport": opts.postprocessor_transport,
         "tokenizer_transport": opts.tokenizer_transport,
+        "router_transport": opts.router_transport,
             "workload": {"prompt_words": list(opts.workload.prompt_words),
                          "output_tokens": list(opts.workload.output_tokens),
                          "requests_per_level": {str(c): opts.requests_for(c) for c in opts.levels},

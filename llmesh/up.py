@@ -89,14 +89,17 @@ class Mesh:
         return flags
 
     def _client_tls_flags(self, tier: str) -> list[str]:
+        return _flags(self._client_tls_settings(tier))
+
+    def _client_tls_settings(self, tier: str) -> dict[str, str]:
         if not self.config.tls.enabled:
-            return []
+            return {}
         d = self.tls_dir
-        flags = ["--downstream-tls-ca", str(d / "ca.pem")]
+        settings = {"downstream_tls_ca": str(d / "ca.pem")}
         if self.config.tls.mutual:
-            flags += ["--downstream-tls-cert", str(d / f"{tier}.pem"),
-                      "--downstream-tls-key", str(d / f"{tier}-key.pem")]
-        return flags
+            settings |= {"downstream_tls_cert": str(d / f"{tier}.pem"),
+                         "downstream_tls_key": str(d / f"{tier}-key.pem")}
+        return settings
 
     def credentials(self, identity: str = "operator") -> grpc.ChannelCredentials | None:
         """Channel credentials for talking to the mesh as ``identity`` (a tier, ``client``
@@ -191,6 +194,7 @@ class Mesh:
         # A transport "local": the gateway runs that tier's work itself, and none starts.
         local_tok = cfg.gateway.settings.get("tokenizer_transport") == "local"
         local_post = cfg.gateway.settings.get("postprocessor_transport") == "local"
+        local_router = cfg.gateway.settings.get("router_transport") == "local"
         tokenizers = [
             self._spawn(f"tokenizer-{i}", "tokenizer",
                         ["--models", model_flag, *_flags(cfg.tokenizer.settings)],
@@ -230,21 +234,22 @@ class Mesh:
              "worker_id": f"worker-{i}-{w.zone}"}
             for i, (p, w) in enumerate(zip(workers, cfg.workers, strict=True))
         ]
+        router_settings = {
+            "workers": worker_list, "zones": zones, "degraded_zones": cfg.router.degraded_zones,
+            **({"tokenizer_models": [f"{self.model_name}={self.model_dir}"]} if local_tok
+               else {"tokenizer_target": tokenizers[0].address}),
+            **self._client_tls_settings("router"), **cfg.router.settings,
+        }
         routers = [
-            self._spawn(
-                f"router-{i}", "router",
-                ["--workers", json.dumps(worker_list), "--zones", json.dumps(zones),
-                 "--degraded-zones", json.dumps(cfg.router.degraded_zones),
-                 *(["--tokenizer-models", model_flag] if local_tok
-                   else ["--tokenizer-target", tokenizers[0].address]),
-                 *self._client_tls_flags("router"), *_flags(cfg.router.settings)],
-                port=free_port(self.host),
-            )
-            for i in range(cfg.router.replicas)
+            self._spawn(f"router-{i}", "router", _flags(router_settings), port=free_port(self.host))
+            for i in range(0 if local_router else cfg.router.replicas)
         ]
         self._wait(routers, timeout=120)
         gw_args = [
-            "--router-targets", json.dumps([p.address for p in routers]),
+            # router_transport local: the gateway runs the router, with the settings a
+            # router process would get.
+            *(["--local-router", json.dumps(router_settings)] if local_router
+              else ["--router-targets", json.dumps([p.address for p in routers])]),
             *(["--local-models", model_flag] if local_tok or local_post else []),
             *([] if local_tok else ["--tokenizer-targets", json.dumps([p.address for p in tokenizers])]),
             *([] if local_post else ["--postprocessor-targets", json.dumps([p.address for p in posts])]),
@@ -346,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="llmesh up",
         description="Start a whole local mesh (tokenizer, postprocessor, workers, router, gateway) "
         "on the embedded default model, wait until every process is SERVING, print the endpoints, "
-        "and stop everything on Ctrl-C or SIGTERM. With the gateway's tokenizer_transport or "
-        "postprocessor_transport 'local' (the mesh config's gateway settings) that tier runs in the "
-        "gateway's process and none is started.",
+        "and stop everything on Ctrl-C or SIGTERM. With the gateway's tokenizer_transport, "
+        "postprocessor_transport or router_transport 'local' (the mesh config's gateway settings) "
+        "that tier runs in the gateway's process and none is started (deploy/local/edge.yaml: all "
+        "three).",
     )
     parser.add_argument("--config", help="mesh YAML (see deploy/local/*.yaml); default: one CPU worker")
     parser.add_argument("--log-dir", help="where process logs go (default ${LLMESH_HOME}/run/logs)")

@@ -262,6 +262,14 @@ def mesh_values(cls: type[BaseSettings], config: Any, explicit: dict[str, Any]) 
             if getattr(config, name).address:
                 values[f"{name}_targets"] = [getattr(config, name).address]
         values["local_models"] = [f"{served}={model}"]  # the in-process tiers (transport local)
+        if gw.settings.get("router_transport") == "local":
+            # The in-process router takes what a router of this mesh would.
+            from services.router.settings import RouterSettings
+
+            router = mesh_values(RouterSettings, config, {})
+            if gw.settings.get("tokenizer_transport") == "local":
+                router.setdefault("tokenizer_models", [f"{served}={model}"])
+            values["local_router"] = router
         values.update(gw.settings)
     elif tier in ("tokenizer", "postprocessor"):
         values["models"] = [f"{served}={model}"]

@@ -363,6 +363,32 @@ def test_with_capacity_adds_the_phase_and_worker_transport_reaches_the_router(
     assert default.worker_transport == RouterSettings.model_fields["worker_transport"].default == "session"
 
 
+def test_router_transport_local_runs_the_router_in_the_gateway(tiny_deepseek_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """``--router-transport local`` (with both other tiers local: deploy/local/edge.yaml's
+    layout): the meshes the bench starts run only gateway and worker processes, the report
+    says so, and the overhead phase has no path straight to a router."""
+    argv = ["--with-capacity", "--skip-llmesh", "--skip-reference", "--skip-batching",
+            "--router-transport", "local", "--tokenizer-transport", "local",
+            "--postprocessor-transport", "local", "--overhead-requests", "4",
+            "--model", str(tiny_deepseek_dir), "--capacity-streams", "4",
+            "--capacity-tokens", "12", "--capacity-step-ms", "1", "--capacity-idle-s", "0",
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    assert bench.main(argv) == 0
+    report = _report(tmp_path)
+    assert report["meta"]["router_transport"] == "local"
+    capacity = report["capacity"]
+    assert capacity["router_transport"] == "local"
+    assert capacity["errors"] == 0 and capacity["output_tokens"] == 4 * 12, capacity["error_samples"]
+    assert set(capacity["cpu_us_per_token"]) == {"worker", "gateway", "total"}
+    overhead = report["overhead"]
+    assert set(overhead["paths"]) == {"worker (direct)", "gateway gRPC", "gateway HTTP"}
+    for figs in overhead["paths"].values():
+        assert figs["requests"] == 4 and figs["errors"] == 0, figs["error_samples"]
+    assert set(overhead["added_paired_ms"]) == {"router_gateway_ttft_p50", "router_gateway_http_ttft_p50"}
+    assert "router_ttft_p50" not in overhead["added_ms"]
+
+
 class _Path:
     """A driver double that logs which request it got and answers with a fixed TTFT."""
 

@@ -81,6 +81,22 @@ def test_each_tier_takes_its_part(mesh_file: Path) -> None:
     assert (cpu.device, cpu.cpu_kvcache_space_gb, cpu.tensor_parallel_size) == ("cpu", 4, 1)
 
 
+def test_a_gateway_running_the_router_takes_the_routers_part(mesh_file: Path) -> None:
+    """router_transport local in the gateway's settings: the in-process router gets what
+    a router of this mesh would (and the model's tokenizer files when it encodes too)."""
+    mesh = {**MESH, "gateway": {**MESH["gateway"], "settings": {
+        "router_transport": "local", "tokenizer_transport": "local"}}}
+    mesh_file.write_text(yaml.safe_dump(mesh))
+    gw = build(GatewaySettings, [f"--mesh-config={mesh_file}"])
+    router = build(RouterSettings, [f"--mesh-config={mesh_file}"])
+    assert gw.router_transport == "local"
+    assert gw.local_router["zones"] == list(router.zones)
+    assert [(t["name"], t["zone"]) for t in gw.local_router["dns_targets"]] == [
+        (t.name, t.zone) for t in router.dns_targets]
+    assert gw.local_router["max_queue"] == router.max_queue == 7
+    assert gw.local_router["tokenizer_models"] == ["chat=/models/chat"]
+
+
 def test_flags_override_environment_overrides_mesh_config(
     mesh_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -179,6 +179,36 @@ async def test_the_gateways_in_process_tiers_give_the_tiers_text_real_engine(eng
     assert final_stopped.finish_reason == inference_pb2.FINISH_REASON_STOP
 
 
+async def test_a_gateway_with_everything_in_process_gives_the_meshs_text_real_engine(
+        engine_channel, engine_mesh):
+    """deploy/local/edge.yaml's layout over the real engine: a gateway in this process
+    with the tokenizer, the postprocessor and the router in it (router_transport local,
+    the mesh's worker as its worker) streams the greedy text and a stop string inside a
+    word exactly as the mesh's separate tiers do."""
+    from gateway.settings import GatewaySettings
+
+    worker = next(p for p in engine_mesh.procs if p.tier == "worker")
+    settings = GatewaySettings(
+        port=0, http_port=-1, drain_seconds=0, postprocessor_transport="local", tokenizer_transport="local",
+        router_transport="local", local_models=[f"{engine_mesh.model_name}={engine_mesh.model_dir}"],
+        local_router={"workers": [{"address": worker.address, "zone": worker.zone,
+                                   "models": [engine_mesh.model_name],
+                                   "worker_id": f"{worker.name}-{worker.zone}"}],
+                      "tokenizer_models": [f"{engine_mesh.model_name}={engine_mesh.model_dir}"]},
+    )
+    kwargs = {"messages": PARIS, "sampling": {"temperature": 0.0, "max_tokens": 24}}
+    stopped = {"messages": PARIS, "sampling": {"temperature": 0.0, "max_tokens": 24, "stop": ["ris"]}}
+    want, want_final, _ = await collect_stream(stub(engine_channel), stream_request(**kwargs))
+    want_stopped, _, _ = await collect_stream(stub(engine_channel), stream_request(**stopped))
+    assert "Paris" in want and want_stopped == want[:want.index("Paris") + 2]
+    async with gateway_in_process(settings) as address:
+        (text, final), (text_stopped, final_stopped) = await concurrent_streams(
+            address, [stream_request(**kwargs), stream_request(**stopped)], timeout=120)
+    assert text == want and final.usage.completion_tokens == want_final.usage.completion_tokens
+    assert final.served_by.worker_id == want_final.served_by.worker_id
+    assert text_stopped == want_stopped and final_stopped.matched_stop == "ris"
+
+
 async def test_a_coalesced_stream_is_the_interval_one_text_real_engine(engine_channel):
     """Stream interval 8 over vLLM: the same greedy text and token ids as interval 1, in
     deltas of several tokens (the bound lifted so only the interval groups them)."""

@@ -358,16 +358,6 @@ async def test_the_local_mesh_names_a_bad_stop_string(local_mesh):
     assert "stop" in (err.value.details() or "")
 
 
-def test_the_edge_example_config_is_this_layout():
-    """deploy/local/edge.yaml runs the layout the mesh above runs (its gateway settings
-    are valid GatewaySettings)."""
-    from llmesh.meshconfig import load_mesh_config
-
-    config = load_mesh_config(Path(__file__).resolve().parents[2] / "deploy" / "local" / "edge.yaml")
-    settings = GatewaySettings(**config.gateway.settings)
-    assert (settings.tokenizer_transport, settings.postprocessor_transport) == ("local", "local")
-
-
 async def test_a_router_killed_mid_stream_resumes_with_the_same_text_last(local_mesh):
     """Last in this module (it leaves one router dead): the stream moves to the other
     router, and the gateway's own postprocessing, which saw every token, goes on as if
