@@ -231,5 +231,5 @@ async def _serve(settings: GatewaySettings, stop_event: asyncio.Event | None) ->
     await run_until_signal(
         gateway.handle, tier="gateway", grace_seconds=settings.grace_seconds, warmup=warmup,
         close=[close_http, routers.close, gateway.close], stop_event=stop_event,
-        drain_seconds=settings.drain_seconds, freeze_heap=True,
+        drain_seconds=settings.drain_seconds, freeze_heap=True, latency_slice_us=settings.latency_slice_us,
     )

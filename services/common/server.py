@@ -28,6 +28,7 @@ from services.common.channels import (
 from services.common.gcpause import freeze_startup_heap, watch_full_collections
 from services.common.interceptors import ErrorMappingInterceptor
 from services.common.processes import CPU_TIERS
+from services.common.schedslice import apply_slice
 from services.common.sessionwire import (
     SESSION_TRANSPORT_SERVICE,
     SessionListener,
@@ -191,6 +192,7 @@ async def run_until_signal(
     drain_seconds: float = 0.0,
     on_started: Callable[[int], None] | None = None,
     freeze_heap: bool = False,
+    latency_slice_us: int = 0,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop_event``), then shut down in order.
 
@@ -206,7 +208,8 @@ async def run_until_signal(
     ``freeze_heap`` (a tier's own process, not a server inside a test): what the imports
     made is frozen out of the garbage collector before the server starts, what the warm-up
     made before ready, and full collections are timed from then on
-    (services/common/gcpause.py).
+    (services/common/gcpause.py). ``latency_slice_us`` (the tier's setting): the scheduler
+    slice the process's threads ask for after the warm-up (services/common/schedslice.py).
     """
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -246,6 +249,9 @@ async def run_until_signal(
                 # Before ready (no request waits): what the warm-up made (the engine's).
                 freeze_startup_heap(tier, "warm-up")
                 watch_full_collections(tier)
+            # After the warm-up: a process it started (the worker's engine core) keeps the
+            # kernel's slice, so the engine yields to this tier's wake-ups.
+            apply_slice(latency_slice_us, tier=tier)
             if handle.readiness is None:
                 await handle.set_ready(True)
             else:  # ready while what it depends on can serve (see ServerHandle.readiness)

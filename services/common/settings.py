@@ -79,6 +79,12 @@ class ServerSettings(BaseSettings):
     """Processes serving this tier's port together (SO_REUSEPORT), forked by a supervisor
     that forwards SIGTERM and restarts nothing; each serves /metrics on --metrics-port +
     its index. Gateway, tokenizer and postprocessor only (services/common/processes.py)."""
+    latency_slice_us: int = Field(default=300, ge=0, le=100_000)
+    """Scheduler slice (µs) the process asks Linux for once warmed up (EEVDF,
+    ``sched_attr.sched_runtime``, kernel 6.12 or later; no privilege needed): a tier woken
+    on a core the engine keeps busy then runs at once instead of after the engine's slice
+    (1.4 ms on 2 CPUs), hop by hop of a request's way (services/common/schedslice.py).
+    0 keeps the kernel's default. A worker's engine processes keep the default."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """Event loop of the process: uvloop (the loop vLLM's own server runs on; less CPU per
     message) or asyncio (the standard library's). Without uvloop installed: asyncio."""

@@ -72,4 +72,5 @@ async def serve(settings: PostprocessorSettings, *, stop_event: asyncio.Event | 
         warmup=lambda: warm_up(core),
         stop_event=stop_event,
         freeze_heap=True,
+        latency_slice_us=settings.latency_slice_us,
     )

@@ -140,6 +140,7 @@ async def serve(
         stop_event=stop_event,
         on_started=on_started,
         freeze_heap=True,
+        latency_slice_us=settings.latency_slice_us,
     )
 
 

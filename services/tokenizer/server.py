@@ -67,4 +67,5 @@ async def serve(settings: TokenizerSettings, *, stop_event: asyncio.Event | None
         close=[close_core],
         stop_event=stop_event,
         freeze_heap=True,
+        latency_slice_us=settings.latency_slice_us,
     )

@@ -399,6 +399,7 @@ async def run_worker(ws: WorkerServer) -> int:
             ws.handle, tier=TIER, grace_seconds=settings.grace_seconds, warmup=warmup,
             close=[close_monitor, close_engine], stop_event=ws.stop_event,
             drain_seconds=settings.drain_seconds, freeze_heap=True,
+            latency_slice_us=settings.latency_slice_us,
         )
     except Exception:
         log.exception("worker failed")
