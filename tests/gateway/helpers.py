@@ -139,6 +139,25 @@ async def concurrent_streams(address: str, requests: list[Any], timeout: float =
     return [(text, final) for text, final, _ in results]
 
 
+async def same_streams(reference: str, address: str, prompts: list[str],
+                       request: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """Each prompt as ``request(prompt)``, then as ``request(prompt, stop=[...])`` with a
+    stop string from the middle of its reference text, all at once through the gateway at
+    ``reference`` and then at ``address``: both give the same text, finish reason,
+    matched stop and token count. Returns ``address``'s (text, final), plain ones first."""
+    plain = [request(p) for p in prompts]
+    want = await concurrent_streams(reference, plain)
+    stops = [text[len(text) // 2:len(text) // 2 + 4] for text, _ in want]
+    stopped = [request(p, stop=[s]) for p, s in zip(prompts, stops, strict=True)]
+    want += await concurrent_streams(reference, stopped)
+    got = await concurrent_streams(address, plain + stopped)
+    for (want_text, want_final), (text, final) in zip(want, got, strict=True):
+        assert text == want_text
+        assert (final.finish_reason, final.matched_stop, final.usage.completion_tokens) == (
+            want_final.finish_reason, want_final.matched_stop, want_final.usage.completion_tokens)
+    return got
+
+
 def metric_total(proc: Any, name: str) -> float:
     """The sum of every sample of metric ``name`` on a tier process's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()

@@ -32,8 +32,8 @@ from services.router.settings import RouterSettings
 from tests.gateway.conftest import gateway_address, running_mesh
 from tests.gateway.helpers import (
     collect_stream,
-    concurrent_streams,
     gateway_in_process,
+    same_streams,
     stream_and_kill,
     stream_request,
     stub,
@@ -104,16 +104,7 @@ def _metrics(mesh: Mesh) -> str:
 async def test_the_edge_mesh_runs_no_router_process_and_gives_a_routers_text(edge_mesh, reference_gateway):
     assert sorted({p.tier for p in edge_mesh.procs}) == ["gateway", "worker"]
     prompts = [f"prompt {i} on {'zones ' * (i % 4)}" for i in range(10)]
-    plain = [_request(p) for p in prompts]
-    reference = await concurrent_streams(reference_gateway, plain)
-    stops = [text[len(text) // 2:len(text) // 2 + 4] for text, _ in reference]
-    stopped = [_request(p, stop=[s]) for p, s in zip(prompts, stops, strict=True)]
-    reference += await concurrent_streams(reference_gateway, stopped)
-    got = await concurrent_streams(gateway_address(edge_mesh), plain + stopped)
-    for (want_text, want), (text, final) in zip(reference, got, strict=True):
-        assert text == want_text
-        assert (final.finish_reason, final.matched_stop, final.usage.completion_tokens) == (
-            want.finish_reason, want.matched_stop, want.usage.completion_tokens)
+    got = await same_streams(reference_gateway, gateway_address(edge_mesh), prompts, _request)
     assert sum(f.finish_reason == inference_pb2.FINISH_REASON_STOP for _, f in got[len(prompts):]) >= 8
     # The zone ladder's first zone serves while it is healthy, as a router process's
     # would; the in-process router's own metrics are on the gateway's /metrics.

@@ -46,9 +46,9 @@ from services.tokenizer.settings import TokenizerSettings
 from tests.gateway.conftest import gateway_address, running_mesh
 from tests.gateway.helpers import (
     collect_stream,
-    concurrent_streams,
     gateway_in_process,
     metric_total,
+    same_streams,
     stream_and_kill,
     stream_request,
     stub,
@@ -336,16 +336,7 @@ async def test_the_local_mesh_runs_no_tokenizer_or_postprocessor_and_gives_the_r
         local_mesh, replica_gateway):
     assert sorted({p.tier for p in local_mesh.procs}) == ["gateway", "router", "worker"]
     prompts = [f"prompt number {i} about {'failover ' * (i % 3)}" for i in range(10)]
-    plain = [_request(p) for p in prompts]
-    reference = await concurrent_streams(replica_gateway, plain)
-    stops = [text[len(text) // 2:len(text) // 2 + 4] for text, _ in reference]
-    stopped = [_request(p, stop=[s]) for p, s in zip(prompts, stops, strict=True)]
-    reference += await concurrent_streams(replica_gateway, stopped)
-    got = await concurrent_streams(gateway_address(local_mesh), plain + stopped)
-    for (want_text, want), (text, final) in zip(reference, got, strict=True):
-        assert text == want_text
-        assert (final.finish_reason, final.matched_stop, final.usage.completion_tokens) == (
-            want.finish_reason, want.matched_stop, want.usage.completion_tokens)
+    got = await same_streams(replica_gateway, gateway_address(local_mesh), prompts, _request)
     assert all(f.usage.completion_tokens == MAX_TOKENS for _, f in got[:len(prompts)])
     assert sum(f.finish_reason == inference_pb2.FINISH_REASON_STOP for _, f in got[len(prompts):]) >= 8
 
