@@ -152,10 +152,11 @@ def test_a_bad_local_router_fails_the_gateway_at_start_naming_the_field(capsys):
 def test_the_in_process_router_listens_on_loopback_in_plaintext_without_a_drain():
     settings = GatewaySettings(router_transport="local", local_router={
         "workers": [{"address": "10.0.0.1:50081", "zone": "z"}], "port": 50071, "tls_cert": "x.pem",
-        "metrics_port": 9100, "drain_seconds": 5, "batch_max_wait_ms": 3})
+        "metrics_port": 9100, "drain_seconds": 5, "batch_max_wait_ms": 3, "latency_slice_us": 100})
     router = local_router_settings(settings)
     assert (router.host, router.port, router.metrics_port, router.tls_cert, router.drain_seconds) == (
         "127.0.0.1", 0, -1, "", 0.0)
+    assert router.latency_slice_us == 0  # the process's slice is the gateway's
     assert router.batch_max_wait_ms == 3  # the rest is the router's own
     # TLS to the workers: the gateway's, unless the router's own is named.
     secure = {"downstream_tls_ca": "ca.pem", "downstream_tls_cert": "gw.pem",
