@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,18 +179,27 @@ class LocalRouter:
             await self._task
 
 
-async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = None) -> None:
-    """Run the gateway until SIGTERM/SIGINT (or ``stop_event``); with router_transport
-    ``local``, its router in the same event loop (:class:`LocalRouter`)."""
+@contextlib.asynccontextmanager
+async def with_local_router(settings: GatewaySettings) -> AsyncIterator[GatewaySettings]:
+    """``settings`` as the gateway runs them: with router_transport ``local``, the
+    in-process router (:class:`LocalRouter`) runs for the block and is the one router
+    target; otherwise unchanged."""
     if settings.router_transport != "local":
-        await _serve(settings, stop_event)
+        yield settings
         return
     router = LocalRouter(local_router_settings(settings))
     await router.start()
     try:
-        await _serve(settings.model_copy(update={"router_targets": [router.target]}), stop_event)
+        yield settings.model_copy(update={"router_targets": [router.target]})
     finally:
         await router.stop()
+
+
+async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = None) -> None:
+    """Run the gateway until SIGTERM/SIGINT (or ``stop_event``); with router_transport
+    ``local``, its router in the same event loop (:func:`with_local_router`)."""
+    async with with_local_router(settings) as served:
+        await _serve(served, stop_event)
 
 
 async def _serve(settings: GatewaySettings, stop_event: asyncio.Event | None) -> None:

@@ -20,6 +20,7 @@ the syscall's number here, a kernel that refuses it) it logs once and changes no
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import platform
@@ -63,7 +64,7 @@ def apply_slice(slice_us: int, *, tier: str) -> int:
             struct.pack("IIQiIQQQ", _ATTR_SIZE, _SCHED_OTHER, 0, nice, 0, slice_us * 1000, 0, 0), _ATTR_SIZE)
         if libc.syscall(number, tid, attr, 0) != 0:
             err = ctypes.get_errno()
-            if err == 3:  # ESRCH: the thread ended
+            if err == errno.ESRCH:  # the thread ended
                 continue
             log.warning("%s: the kernel refused a %d µs scheduler slice (%s); keeping its default",
                         tier, slice_us, os.strerror(err))

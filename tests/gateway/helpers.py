@@ -106,30 +106,22 @@ async def gateway_in_process(settings: Any) -> AsyncIterator[str]:
     """A gateway server built from ``settings`` (GatewaySettings) in this process, serving
     until the block ends; yields its address. With router_transport local, its router
     runs in this event loop too, as in the gateway's process."""
-    from gateway.server import LocalRouter, create_gateway
-    from gateway.settings import local_router_settings
+    from gateway.server import create_gateway, with_local_router
     from tests.tokenizer.helpers import running_server
 
     gateway = None
-    router = None
-    if settings.router_transport == "local":
-        router = LocalRouter(local_router_settings(settings))
-        await router.start()
-        settings = settings.model_copy(update={"router_targets": [router.target]})
 
-    async def build() -> tuple[Any, Any]:
-        nonlocal gateway
-        gateway = await create_gateway(settings)
-        return gateway.handle, gateway
+    async with with_local_router(settings) as served:
 
-    try:
+        async def build() -> tuple[Any, Any]:
+            nonlocal gateway
+            gateway = await create_gateway(served)
+            return gateway.handle, gateway
+
         async with running_server(build, tier="gateway") as (handle, _, _):
             yield f"127.0.0.1:{handle.port}"
         assert gateway is not None
         await gateway.close()
-    finally:
-        if router is not None:
-            await router.stop()
 
 
 async def concurrent_streams(address: str, requests: list[Any], timeout: float = 60) -> list[tuple[str, Any]]:
