@@ -1,7 +1,7 @@
 """``llmesh bench``: llmesh against ``vllm serve`` on the same model, engine settings and machine.
 
-Phases, one after the other (never two engines at once: on a small box they would share
-cores and both figures would be wrong):
+Phases, one after the other (never two engines loaded at once: on a small box they would
+share cores and both figures would be wrong):
 
 1. llmesh: a local mesh (one vLLM CPU worker on all cores) is started -- or ``--target``
    names a running one -- warmed up, and driven at every concurrency level.
@@ -12,8 +12,13 @@ cores and both figures would be wrong):
    router and through the gateway (gRPC and HTTP) give the per-request cost of the tiers.
    Each request goes down every path in turn, so background load hits all paths alike;
    ``added_paired_ms`` is the median of the per-request differences.
-4. batching: the router's batching window on vs off, on fake-engine meshes.
-5. capacity (``--capacity`` alone, or ``--with-capacity`` before the others): the whole mesh
+4. paired: llmesh and the reference up at the same time, only one of them loaded at any
+   moment: the TTFT llmesh adds at one stream, each prompt sent to both in turn; then the
+   throughput and serving CPU at the top level in blocks alternating between the two
+   (llmesh, reference, reference, llmesh, ...), so the machine's drift between the two
+   systems' levels leaves the ratio.
+5. batching: the router's batching window on vs off, on fake-engine meshes.
+6. capacity (``--capacity`` alone, or ``--with-capacity`` before the others): the whole mesh
    over the step-based fake engine at accelerator rates, CPU microseconds per output token
    of every tier.
 
@@ -42,7 +47,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +67,7 @@ from llmesh.bench_load import (
     percentile,
     run_level,
 )
-from llmesh.bench_report import plot, ratios, text_summary, write_json
+from llmesh.bench_report import plot, ratio, ratios, text_summary, write_json
 from services.common.modelinfo import engine_dtype
 
 DEFAULT_LEVELS = (1, 8, 32)
@@ -70,7 +75,7 @@ QUICK_REQUESTS_PER_STREAM = 2
 QUICK_MIN_REQUESTS = 8
 QUICK_PAIRED_REQUESTS = 24
 PAIRED_GAP_S = 1.25
-"""Default pause before each request of the paired TTFT phase (see :func:`run_paired_ttft`)."""
+"""Default pause before each request of the paired TTFT phase (see :func:`_paired_ttft`)."""
 
 
 def router_worker_transport() -> str:
@@ -123,6 +128,10 @@ class BenchOptions:
     """max_tokens of each request of the paired TTFT phase."""
     paired_gap_s: float = PAIRED_GAP_S
     """Pause before each request of the paired TTFT phase."""
+    paired_blocks: int = 4
+    """Load blocks per system in the paired throughput phase (0: no such phase)."""
+    paired_concurrency: int = 32
+    """Concurrent streams of each block of the paired throughput phase."""
     capacity_idle_s: float = 5.0
     """Seconds the capacity mesh is measured idle (warmed up, no load) before the load."""
     capacity_protocol: str = "grpc"
@@ -388,24 +397,50 @@ def run_reference(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any
 
 
 @contextlib.contextmanager
-def _reference_for_pairs(opts: BenchOptions, args: argparse.Namespace) -> Iterator[Any]:
+def _reference_for_pairs(opts: BenchOptions, args: argparse.Namespace) -> Iterator[tuple[Any, int]]:
+    """A driver for the reference and its pid (0 when unknown: no CPU figures for it)."""
     if args.reference_url:
-        yield OpenAIHttpDriver(args.reference_url, opts.model_name)
+        yield OpenAIHttpDriver(args.reference_url, opts.model_name), args.reference_pid
         return
     print("llmesh bench: starting the reference vllm server beside it", file=sys.stderr)
-    with _started_reference(opts) as (url, _pid):
-        yield OpenAIHttpDriver(url, opts.model_name)
+    with _started_reference(opts) as (url, pid):
+        yield OpenAIHttpDriver(url, opts.model_name), pid
 
 
-def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
+def run_paired(opts: BenchOptions, args: argparse.Namespace) -> dict[str, Any]:
+    """The paired phases: llmesh and the reference up at the same time (their engines bound
+    to the same cores, only one system loaded at any moment), so the machine's drift falls
+    on both alike. First the added TTFT at one stream (:func:`_paired_ttft`), then the
+    throughput at ``paired_concurrency`` streams in alternating blocks
+    (:func:`_paired_throughput`; none with ``paired_blocks`` 0)."""
+    spec = WorkloadSpec(prompt_words=opts.workload.prompt_words,
+                        output_tokens=(opts.paired_tokens, opts.paired_tokens))
+    warmup = 3
+    requests = make_workload(opts.paired_requests + warmup, seed=opts.seed + 7171, spec=spec)
+    out: dict[str, Any] = {}
+    with (_llmesh_target(opts, args, "paired-llmesh") as mine,
+          _reference_for_pairs(opts, args) as (reference, reference_pid)):
+        drivers = {"llmesh": mine.driver, "reference": reference}
+        with _bar(opts, "   paired TTFT (interleaved)", 1) as bar:
+            levels = asyncio.run(interleaved(drivers, requests, warmup=warmup, gap_s=opts.paired_gap_s))
+            bar.update()
+        out["paired_ttft"] = _paired_ttft(opts, levels)
+        if opts.paired_blocks:
+            meters = {"llmesh": CpuMeter(_mesh_cpu_groups(mine.state["processes"]), engine_groups=("worker",))
+                      if mine.state else None,
+                      "reference": CpuMeter({"vllm": [reference_pid]}, engine_groups=("vllm",))
+                      if reference_pid else None}
+            out["paired_throughput"] = _paired_throughput(opts, drivers, meters)
+    return out
+
+
+def _paired_ttft(opts: BenchOptions, levels: dict[str, LevelResult]) -> dict[str, Any]:
     """The time to first token llmesh adds at one stream, measured in pairs.
 
-    llmesh and the reference are up at the same time (their engines bound to the same
-    cores; only one request runs at any moment, so only one engine steps). Every prompt goes
-    to both, one after the other, the order alternating, and the figure is the median of
-    the per-prompt differences. Run one after the other, as the levels are, the two
-    systems' TTFT P50 each carry the engine's and the machine's drift of that minute; in
-    pairs the drift falls on both alike.
+    Every prompt goes to both systems, one after the other, the order alternating, and the
+    figure is the median of the per-prompt differences. Run one after the other, as the
+    levels are, the two systems' TTFT P50 each carry the engine's and the machine's drift
+    of that minute; in pairs the drift falls on both alike.
 
     Every request starts after a pause (``--paired-ttft-gap-s``, :data:`PAIRED_GAP_S`): a vLLM engine's worker
     process busy-polls its shared-memory queue for a second after its last step (vLLM's
@@ -413,15 +448,6 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
     back to back, a request sent right after the other system's took about a second to
     its first token instead of 60-95 ms.
     """
-    spec = WorkloadSpec(prompt_words=opts.workload.prompt_words,
-                        output_tokens=(opts.paired_tokens, opts.paired_tokens))
-    warmup = 3
-    requests = make_workload(opts.paired_requests + warmup, seed=opts.seed + 7171, spec=spec)
-    with (_llmesh_target(opts, args, "paired-llmesh") as mine, _reference_for_pairs(opts, args) as reference,
-          _bar(opts, "   paired TTFT (interleaved)", 1) as bar):
-        levels = asyncio.run(interleaved({"llmesh": mine.driver, "reference": reference}, requests,
-                                         warmup=warmup, gap_s=opts.paired_gap_s))
-        bar.update()
     diffs = paired_differences_ms(levels, "llmesh", "reference")
     interval = median_interval(diffs)
     return {
@@ -439,6 +465,103 @@ def run_paired_ttft(opts: BenchOptions, args: argparse.Namespace) -> dict[str, A
                 "the reference in turn, the order alternating; added_ttft_ms: percentiles of the "
                 "per-prompt differences (llmesh minus reference); p50_interval_ms: a 95 % interval for "
                 "their median (order statistics; null below 6 pairs); differences_ms: each pair's",
+    }
+
+
+def block_order(names: Sequence[str], blocks: int) -> list[str]:
+    """``blocks`` blocks of each name, in pairs whose order alternates (A B, B A, A B, ...):
+    a drift that runs linearly through the phase falls on both names alike over each two
+    pairs."""
+    order: list[str] = []
+    for i in range(blocks):
+        order += list(names) if i % 2 == 0 else list(reversed(names))
+    return order
+
+
+async def alternating_blocks(drivers: dict[str, Any], meters: dict[str, CpuMeter | None], blocks: int,
+                             concurrency: int, workload: Callable[[int], list[BenchRequest]],
+                             warm: Sequence[BenchRequest], gap_s: float = 0.0,
+                             on_block: Callable[[], None] | None = None) -> list[tuple[str, LevelResult]]:
+    """Closed-loop load at ``concurrency`` streams, one block per system at a time in
+    :func:`block_order`; pair ``i`` sends ``workload(i)`` (the same requests) to each system.
+    ``warm`` goes to every system first (not measured); ``gap_s``: a pause before each block."""
+    names = list(drivers)
+    out: list[tuple[str, LevelResult]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        for driver in drivers.values():
+            await stack.enter_async_context(driver)
+        for name in names:
+            await run_level(drivers[name], warm, concurrency)
+        for i, name in enumerate(block_order(names, blocks)):
+            if gap_s:
+                await asyncio.sleep(gap_s)
+            out.append((name, await run_level(drivers[name], workload(i // len(names)), concurrency,
+                                              cpu=meters.get(name))))
+            if on_block is not None:
+                on_block()
+    return out
+
+
+def merged_level(levels: Sequence[LevelResult]) -> LevelResult:
+    """Blocks of one system as one level: their requests, wall time and CPU added up."""
+    cpu: dict[str, float] = {}
+    engines: dict[str, float] = {}
+    for level in levels:
+        for tier, v in level.cpu_s.items():
+            cpu[tier] = cpu.get(tier, 0.0) + v
+        for tier, v in level.engine_cpu_s.items():
+            engines[tier] = engines.get(tier, 0.0) + v
+    return LevelResult(concurrency=levels[0].concurrency, results=[r for lv in levels for r in lv.results],
+                       duration_s=sum(lv.duration_s for lv in levels), cpu_s=cpu, engine_cpu_s=engines)
+
+
+_BLOCK_KEYS = ("requests", "errors", "duration_s", "output_tokens", "output_tokens_per_s")
+
+
+def _paired_throughput(opts: BenchOptions, drivers: dict[str, Any],
+                       meters: dict[str, CpuMeter | None]) -> dict[str, Any]:
+    """Throughput and serving CPU at ``paired_concurrency`` streams, both systems up, in
+    alternating blocks (llmesh, reference, reference, llmesh, ...). Run one after the other,
+    minutes apart, as the levels are, the two systems' throughput carries the engine's
+    drift of their minutes (a one-stream inter-token gap of 27 ms in one system's level and
+    23 ms in the other's, same machine, same run); in blocks that alternate, it falls on
+    both alike."""
+    c = opts.paired_concurrency
+    per_block = opts.requests_for(c)
+    warm = make_workload(c, seed=opts.seed + 8282, spec=WorkloadSpec(opts.workload.prompt_words, (16, 16)))
+
+    def workload(pair: int) -> list[BenchRequest]:
+        return make_workload(per_block, seed=opts.seed * 1000 + c + 7919 * (pair + 1), spec=opts.workload)
+
+    with _bar(opts, f"   paired {c} streams (blocks)", 2 * opts.paired_blocks) as bar:
+        blocks = asyncio.run(alternating_blocks(drivers, meters, opts.paired_blocks, c, workload, warm,
+                                                gap_s=opts.paired_gap_s, on_block=bar.update))
+    systems = {name: merged_level([lv for n, lv in blocks if n == name]).summary() for name in drivers}
+    tok_s = {name: [lv.summary()["output_tokens_per_s"] for n, lv in blocks if n == name] for name in drivers}
+    pair_ratios = [ratio(a, b) for a, b in zip(tok_s["llmesh"], tok_s["reference"], strict=True)]
+
+    def serving(name: str) -> float:
+        return float(systems[name].get("serving_cpu_us_per_token", {}).get("total", math.nan))
+
+    return {
+        "concurrency": c,
+        "blocks_per_system": opts.paired_blocks,
+        "requests_per_block": per_block,
+        "order": [n for n, _ in blocks],
+        "blocks": [{"system": n, **{k: lv.summary()[k] for k in _BLOCK_KEYS},
+                    "serving_cpu_us_per_token": lv.summary().get("serving_cpu_us_per_token")}
+                   for n, lv in blocks],
+        "llmesh": systems["llmesh"],
+        "reference": systems["reference"],
+        "output_tokens_per_s_ratio": ratio(systems["llmesh"]["output_tokens_per_s"],
+                                           systems["reference"]["output_tokens_per_s"]),
+        "pair_ratios": pair_ratios,
+        "serving_cpu_ratio": ratio(serving("llmesh"), serving("reference")),
+        "note": "both systems up; blocks of requests_per_block requests at concurrency streams, the "
+                "systems alternating in pairs (order); pair i sends the same requests to both; llmesh "
+                "and reference: every block of the system added up; output_tokens_per_s_ratio: llmesh "
+                "over reference over all blocks; pair_ratios: of each pair's two blocks; "
+                "serving_cpu_ratio: CPU per output token without the engine processes",
     }
 
 
@@ -830,6 +953,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     try:
@@ -848,7 +981,8 @@ def build_parser() -> argparse.ArgumentParser:
         "settings and machine, one after the other. Closed-loop seeded load at several concurrency "
         "levels; reports output tokens/s, TTFT and inter-token latency (P50/P99), errors, CPU seconds "
         "per tier per 1k output tokens and the llmesh/reference ratio of every figure; also the "
-        "TTFT llmesh adds at one stream measured in pairs (both systems up, one request at a time), "
+        "TTFT llmesh adds at one stream measured in pairs (both systems up, one request at a time) and "
+        "the throughput at the top level in blocks alternating between the two (both up), "
         "the per-request overhead of router+gateway (fake engine) and the batching window on vs off. "
         "Writes <out>/bench.json and <out>/bench.png.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -876,7 +1010,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-overhead", action="store_true", help="do not measure router+gateway overhead")
     g.add_argument("--skip-batching", action="store_true", help="do not compare batching window on/off")
     g.add_argument("--skip-paired-ttft", action="store_true",
-                   help="do not measure the added TTFT in pairs (llmesh and the reference up at once)")
+                   help="do not run the paired phases (llmesh and the reference up at once): the added "
+                   "TTFT in pairs and the throughput in alternating blocks")
     e = p.add_argument_group("engine settings (both systems)")
     e.add_argument("--max-num-seqs", type=int, default=32, help="vLLM max_num_seqs")
     e.add_argument("--max-model-len", type=int, default=2048, help="vLLM max_model_len")
@@ -902,6 +1037,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--paired-ttft-gap-s", type=float, default=PAIRED_GAP_S,
                    help="pause before each request of the paired TTFT phase (a vLLM engine's worker "
                    "busy-polls for a second after its last step, on the cores the other engine uses)")
+    o.add_argument("--paired-blocks", type=_count, default=4,
+                   help="blocks per system of the paired throughput phase: with both systems up, "
+                   "closed-loop load at --paired-concurrency streams, one system at a time, the "
+                   "systems alternating in pairs (llmesh, reference, reference, llmesh, ...), each "
+                   "block the requests of a level; the throughput ratio over all blocks then carries "
+                   "no drift of the machine between the two systems' levels (0: no such phase)")
+    o.add_argument("--paired-concurrency", type=_positive, default=None,
+                   help="streams of each block of the paired throughput phase (default: the highest "
+                   "--concurrency level)")
     o.add_argument("--batching-concurrency", type=_levels, default=(1, 32),
                    help="levels of the batching phase")
     o.add_argument("--batching-wait-ms", type=float, default=5.0, help="router batch_max_wait_ms when on")
@@ -986,6 +1130,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                          else args.paired_ttft_requests),
         paired_tokens=args.paired_ttft_tokens,
         paired_gap_s=max(0.0, args.paired_ttft_gap_s),
+        paired_blocks=args.paired_blocks,
+        paired_concurrency=args.paired_concurrency or max(args.concurrency),
         batching_levels=args.batching_concurrency,
         batching_wait_ms=args.batching_wait_ms,
         fake_token_delay_ms=args.fake_token_delay_ms,
@@ -1056,7 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
             report["ratios"] = ratios(report["systems"]["llmesh"]["levels"],
                                       report["systems"]["reference"]["levels"])
         if not (args.skip_llmesh or args.skip_reference or args.skip_paired_ttft):
-            report["paired_ttft"] = run_paired_ttft(opts, args)
+            report.update(run_paired(opts, args))
         if not args.skip_overhead:
             report["overhead"] = run_overhead(opts)
         if not args.skip_batching:

@@ -246,6 +246,18 @@ def text_summary(report: Mapping[str, Any]) -> str:
                   f"{_fmt(paired['llmesh']['ttft_ms']['p50'], 2)} ms, reference "
                   f"{_fmt(paired['reference']['ttft_ms']['p50'], 2)} ms; errors "
                   f"{paired['llmesh']['errors']} and {paired['reference']['errors']}"]
+    blocks = report.get("paired_throughput")
+    if blocks:
+        mine, ref = blocks["llmesh"], blocks["reference"]
+        pairs = ", ".join(_fmt(r, 3) for r in blocks["pair_ratios"])
+        parts += ["", f"Throughput at {blocks['concurrency']} streams, paired ({blocks['blocks_per_system']} "
+                  f"blocks of {blocks['requests_per_block']} requests per system, both up, alternating "
+                  f"llmesh/reference): llmesh {_fmt(mine['output_tokens_per_s'])} tok/s, reference "
+                  f"{_fmt(ref['output_tokens_per_s'])} tok/s, ratio "
+                  f"{_fmt(blocks['output_tokens_per_s_ratio'], 3)} (pairs {pairs}); serving CPU per output "
+                  f"token llmesh {_fmt(mine.get('serving_cpu_us_per_token', {}).get('total'), 1)} us, "
+                  f"reference {_fmt(ref.get('serving_cpu_us_per_token', {}).get('total'), 1)} us, ratio "
+                  f"{_fmt(blocks['serving_cpu_ratio'], 3)}; errors {mine['errors']} and {ref['errors']}"]
     capacity = report.get("capacity")
     if capacity:
         parts += ["", f"Capacity, {capacity['engine']} engine, worker transport "

@@ -92,7 +92,8 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
                                        capsys: pytest.CaptureFixture[str]) -> None:
     argv = [*_common_args(bench_mesh, tmp_path), "--reference-url", stub.url,
             "--reference-pid", str(os.getpid()), "--skip-overhead", "--skip-batching",
-            "--paired-ttft-requests", "5", "--paired-ttft-tokens", "3", "--paired-ttft-gap-s", "0.05"]
+            "--paired-ttft-requests", "5", "--paired-ttft-tokens", "3", "--paired-ttft-gap-s", "0.05",
+            "--paired-blocks", "2", "--paired-concurrency", "3"]
     assert bench.main(argv) == 0
     report = _report(tmp_path)
     assert set(report["systems"]) == {"llmesh", "reference"}
@@ -104,7 +105,9 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
         if name == "llmesh":
             assert sum(lv["cpu_s_per_1k_tokens"]["total"] for lv in levels) > 0
     # Both systems got the very same requests (like for like).
-    assert len(stub.requests) == 2 + 4 + 4 + 3 + 5  # warm-up, two levels, the paired phase's 3 + 5
+    # Warm-up, two levels, the paired TTFT's 3 + 5, then the paired blocks: 3 warm-up requests
+    # and two blocks of 4 (max(--min-requests, 1 x 3 streams)).
+    assert len(stub.requests) == 2 + 4 + 4 + 3 + 5 + 3 + 2 * 4
     spec = WorkloadSpec((4, 8), (6, 12))
     # Level c uses seed 1000 * --seed + c (--seed defaults to 0).
     assert {r["prompt"] for r in stub.requests[2:10]} == {
@@ -112,9 +115,9 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
     }
     # The paired phase: its own prompts, one at a time, each also sent to the mesh.
     paired_spec = WorkloadSpec((4, 8), (3, 3))
-    assert [r["prompt"] for r in stub.requests[10:]] == [
+    assert [r["prompt"] for r in stub.requests[10:18]] == [
         r.prompt for r in make_workload(3 + 5, seed=7171, spec=paired_spec)]
-    assert all(r["max_tokens"] == 3 for r in stub.requests[10:])
+    assert all(r["max_tokens"] == 3 for r in stub.requests[10:18])
     paired = report["paired_ttft"]
     assert paired["pairs"] == paired["requests"] == 5 and paired["output_tokens_per_request"] == 3
     assert paired["gap_s"] == 0.05
@@ -130,6 +133,7 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
     out = capsys.readouterr().out
     assert "Added TTFT at one stream, paired (5 prompts" in out
     assert "95 % interval of the median n/a" in out
+    _check_paired_blocks(report, stub, out)
     rows = report["ratios"]
     assert [r["concurrency"] for r in rows] == [1, 4]
     for row in rows:
@@ -142,6 +146,46 @@ def test_llmesh_against_stub_reference(bench_mesh: Mesh, stub: StubOpenAI, tmp_p
         assert row["errors"] == 1.0  # 0 / 0
     png = tmp_path / "out" / "bench.png"
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+
+
+def _check_paired_blocks(report: dict[str, Any], stub: StubOpenAI, out: str) -> None:
+    """The paired throughput phase: blocks alternating in pairs, the same requests to both
+    systems in each pair, every block's figures and their sums."""
+    blocks = report["paired_throughput"]
+    assert blocks["concurrency"] == 3 and blocks["blocks_per_system"] == 2
+    assert blocks["requests_per_block"] == 4
+    assert blocks["order"] == ["llmesh", "reference", "reference", "llmesh"]
+    assert [b["system"] for b in blocks["blocks"]] == blocks["order"]
+    # The reference's part of the phase: the warm-up (16 tokens each), then its two blocks,
+    # each the requests of the pair (the mesh got the same ones).
+    warm, first, second = stub.requests[18:21], stub.requests[21:25], stub.requests[25:29]
+    assert all(r["max_tokens"] == 16 for r in warm)
+    assert {r["prompt"] for r in first} != {r["prompt"] for r in second}
+    for system in ("llmesh", "reference"):
+        mine = [b for b in blocks["blocks"] if b["system"] == system]
+        assert all(b["errors"] == 0 and b["requests"] == 4 for b in mine)
+        total = blocks[system]
+        assert total["requests"] == 8 and total["errors"] == 0, total["error_samples"]
+        assert total["output_tokens"] == sum(b["output_tokens"] for b in mine)
+        assert total["duration_s"] == pytest.approx(sum(b["duration_s"] for b in mine), abs=0.002)
+        # duration_s is rounded to the ms; blocks of a fake engine last tens of ms.
+        assert total["output_tokens_per_s"] == pytest.approx(total["output_tokens"] / total["duration_s"],
+                                                             rel=0.02)
+        tiers = TIERS if system == "llmesh" else {"vllm"}
+        assert set(total["serving_cpu_us_per_token"]) == tiers | {"total"}
+    assert blocks["blocks"][0]["output_tokens"] == blocks["blocks"][1]["output_tokens"]
+    assert blocks["output_tokens_per_s_ratio"] == pytest.approx(
+        blocks["llmesh"]["output_tokens_per_s"] / blocks["reference"]["output_tokens_per_s"], rel=1e-3)
+    pair_tok_s = [b["output_tokens_per_s"] for b in blocks["blocks"]]
+    expected = [pair_tok_s[0] / pair_tok_s[1], pair_tok_s[3] / pair_tok_s[2]]
+    assert blocks["pair_ratios"] == pytest.approx(expected, rel=1e-3)
+    assert math.isfinite(blocks["serving_cpu_ratio"])
+    assert "Throughput at 3 streams, paired (2 blocks of 4 requests per system" in out
+
+
+def test_block_order_alternates_in_pairs() -> None:
+    assert bench.block_order(["a", "b"], 3) == ["a", "b", "b", "a", "a", "b"]
+    assert bench.block_order(["a", "b"], 0) == []
 
 
 def test_grpc_protocol_overhead_and_batching(bench_mesh: Mesh, tmp_path: Path) -> None:
@@ -187,12 +231,15 @@ def test_failed_requests_are_counted(bench_mesh: Mesh, tmp_path: Path) -> None:
 
 def test_bad_arguments_exit_with_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--concurrency", "0"], ["--concurrency", "a,b"], ["--output-tokens", "9-3"],
-                 ["--paired-ttft-requests", "0"], ["--paired-ttft-tokens", "x"]):
+                 ["--paired-ttft-requests", "0"], ["--paired-ttft-tokens", "x"], ["--paired-blocks", "-1"],
+                 ["--paired-concurrency", "0"]):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--concurrency" in err and "--paired-ttft-requests: must be >= 1, got 0" in err
+    assert "--paired-blocks: must be >= 0, got -1" in err
+    assert "--paired-concurrency: must be >= 1, got 0" in err
 
 
 def test_grpc_protocol_needs_a_grpc_target(tmp_path: Path) -> None:
@@ -207,7 +254,8 @@ def test_help_documents_the_phases(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--quick", "--target", "--reference-url", "--llmesh-protocol", "--concurrency", "--out",
-                 "--skip-paired-ttft", "--paired-ttft-requests", "--paired-ttft-gap-s"):
+                 "--skip-paired-ttft", "--paired-ttft-requests", "--paired-ttft-gap-s", "--paired-blocks",
+                 "--paired-concurrency"):
         assert flag in text
 
 
