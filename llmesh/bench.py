@@ -73,6 +73,7 @@ from services.common.modelinfo import engine_dtype
 DEFAULT_LEVELS = (1, 8, 32)
 QUICK_REQUESTS_PER_STREAM = 2
 QUICK_MIN_REQUESTS = 8
+PAIRED_REQUESTS = 48
 QUICK_PAIRED_REQUESTS = 24
 PAIRED_GAP_S = 1.25
 """Default pause before each request of the paired TTFT phase (see :func:`_paired_ttft`)."""
@@ -1028,10 +1029,11 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("overhead and batching phases")
     o.add_argument("--overhead-requests", type=int, default=200,
                    help="sequential requests per path (each request goes down every path in turn)")
-    o.add_argument("--paired-ttft-requests", type=_positive, default=48,
+    o.add_argument("--paired-ttft-requests", type=_positive, default=None,
                    help="prompts of the paired TTFT phase: llmesh and the reference up at once, one "
                    "request at a time, each prompt sent to both in turn (the order alternating); the "
-                   f"added TTFT is the median of the differences ({QUICK_PAIRED_REQUESTS} with --quick)")
+                   f"added TTFT is the median of the differences (default {PAIRED_REQUESTS}; "
+                   f"{QUICK_PAIRED_REQUESTS} with --quick unless given)")
     o.add_argument("--paired-ttft-tokens", type=_positive, default=8,
                    help="max_tokens of each request of the paired TTFT phase")
     o.add_argument("--paired-ttft-gap-s", type=float, default=PAIRED_GAP_S,
@@ -1126,8 +1128,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         log_dir=out_dir / "logs",
         progress=not args.no_progress,
         overhead_requests=min(args.overhead_requests, 60) if quick else args.overhead_requests,
-        paired_requests=(min(args.paired_ttft_requests, QUICK_PAIRED_REQUESTS) if quick
-                         else args.paired_ttft_requests),
+        paired_requests=args.paired_ttft_requests or (QUICK_PAIRED_REQUESTS if quick else PAIRED_REQUESTS),
         paired_tokens=args.paired_ttft_tokens,
         paired_gap_s=max(0.0, args.paired_ttft_gap_s),
         paired_blocks=args.paired_blocks,
