@@ -179,7 +179,10 @@ def _check_paired_blocks(report: dict[str, Any], stub: StubOpenAI, out: str) -> 
     pair_tok_s = [b["output_tokens_per_s"] for b in blocks["blocks"]]
     expected = [pair_tok_s[0] / pair_tok_s[1], pair_tok_s[3] / pair_tok_s[2]]
     assert blocks["pair_ratios"] == pytest.approx(expected, rel=1e-3)
-    assert math.isfinite(blocks["serving_cpu_ratio"])
+    # Blocks of a fake engine last tens of ms, within a CPU clock tick or two: a side may
+    # show no serving CPU at all, so only the ratio's definition is checked.
+    serving = [blocks[system]["serving_cpu_us_per_token"]["total"] for system in ("llmesh", "reference")]
+    assert blocks["serving_cpu_ratio"] == ratio(*serving)
     assert "Throughput at 3 streams, paired (2 blocks of 4 requests per system" in out
 
 
