@@ -12,6 +12,7 @@ from typing import Any
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
 from gateway.localpost import LocalPostprocessorTier
+from gateway.localrouter import LocalRouterTier
 from gateway.localtokenizer import LocalTokenizerTier
 from gateway.postsession import SessionPostprocessorTier
 from gateway.routersession import SessionRouterTier
@@ -30,6 +31,8 @@ from services.postprocessor.core import PostprocessCore
 from services.postprocessor.server import build_core as build_postprocessor_core
 from services.postprocessor.server import warm_up as warm_up_postprocessor
 from services.postprocessor.settings import PostprocessorSettings
+from services.router.core import Router
+from services.router.server import RouterServer
 from services.router.settings import RouterSettings
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.server import build_core as build_tokenizer_core
@@ -45,13 +48,15 @@ TokenizerTiers = GrpcTokenizerTier | SessionTokenizerTier | LocalTokenizerTier
 """The tokenizer tier of any transport (settings.tokenizer_transport)."""
 PostprocessorTiers = GrpcPostprocessorTier | SessionPostprocessorTier | LocalPostprocessorTier
 """The postprocessor tier of any transport (settings.postprocessor_transport)."""
+RouterTiers = GrpcRouterTier | LocalRouterTier
+"""The router tier of any transport (settings.router_transport; SessionRouterTier is a GrpcRouterTier)."""
 
 
 @dataclass
 class Gateway:
     handle: ServerHandle
     core: GatewayCore
-    tiers: tuple[TokenizerTiers, GrpcRouterTier, PostprocessorTiers]
+    tiers: tuple[TokenizerTiers, RouterTiers, PostprocessorTiers]
     audit: AuditLog
 
     @property
@@ -64,8 +69,8 @@ class Gateway:
         self.audit.close()
 
 
-def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[TokenizerTiers, GrpcRouterTier,
-                                                                      PostprocessorTiers], AuditLog]:
+def build_core(settings: GatewaySettings, *, local_router: Router | None = None
+               ) -> tuple[GatewayCore, tuple[TokenizerTiers, RouterTiers, PostprocessorTiers], AuditLog]:
     tls = settings.client_tls
     tokenizer: TokenizerTiers
     if settings.tokenizer_transport == "local":
@@ -74,8 +79,15 @@ def build_core(settings: GatewaySettings) -> tuple[GatewayCore, tuple[TokenizerT
         tokenizer = SessionTokenizerTier(settings.tokenizer_targets, tls)
     else:
         tokenizer = GrpcTokenizerTier(settings.tokenizer_targets, tls)
-    router_tier = SessionRouterTier if settings.router_transport in ("session", "local") else GrpcRouterTier
-    router = router_tier(settings.router_targets, router_tls(settings))
+    router: RouterTiers
+    if settings.router_transport == "local":
+        if local_router is None:
+            raise ValueError("router_transport local needs the in-process router (see with_local_router)")
+        router = LocalRouterTier(local_router)
+    elif settings.router_transport == "session":
+        router = SessionRouterTier(settings.router_targets, router_tls(settings))
+    else:
+        router = GrpcRouterTier(settings.router_targets, router_tls(settings))
     post: PostprocessorTiers
     if settings.postprocessor_transport == "local":
         post = LocalPostprocessorTier(build_local_postprocessor(settings.local_models))
@@ -116,9 +128,11 @@ def build_local_postprocessor(models: list[str]) -> PostprocessCore:
     return build_postprocessor_core(PostprocessorSettings(models=models))
 
 
-async def create_gateway(settings: GatewaySettings) -> Gateway:
-    """Build the gateway server (not started); ``settings.port=0`` picks a free port."""
-    core, tiers, audit = build_core(settings)
+async def create_gateway(settings: GatewaySettings, *, local_router: Router | None = None) -> Gateway:
+    """Build the gateway server (not started); ``settings.port=0`` picks a free port.
+    ``local_router``: the in-process router's core (router_transport ``local``, see
+    :func:`with_local_router`)."""
+    core, tiers, audit = build_core(settings, local_router=local_router)
     servicer = InferenceServicer(core)
     handle = await create_server(
         settings, tier="gateway",
@@ -145,6 +159,8 @@ class LocalRouter:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.port = 0
+        self.router: Router | None = None
+        """The server's core, which the gateway calls directly (:class:`LocalRouterTier`)."""
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -163,14 +179,18 @@ class LocalRouter:
 
         # The router installs its SIGTERM/SIGINT handlers as it starts; the gateway's,
         # installed after, replace them: a signal stops the gateway, which then stops this.
+        def on_built(server: RouterServer) -> None:
+            self.router = server.router
+
         self._task = asyncio.create_task(router_serve(self.settings, stop_event=self._stop,
-                                                      on_started=on_started))
+                                                      on_started=on_started, on_built=on_built))
         waits: set[asyncio.Future[Any]] = {self._task, started}
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if not started.done():
             self._task.result()  # raises why the router did not start
             raise RuntimeError("the in-process router stopped before it listened")
         self.port = started.result()
+        assert self.router is not None  # built before it listens
         log.info("in-process router listening on %s", self.target)
 
     async def stop(self) -> None:
@@ -179,18 +199,27 @@ class LocalRouter:
             await self._task
 
 
+@dataclass(frozen=True)
+class Served:
+    """The settings the gateway runs with, and its in-process router's core (if any)."""
+
+    settings: GatewaySettings
+    router: Router | None = None
+
+
 @contextlib.asynccontextmanager
-async def with_local_router(settings: GatewaySettings) -> AsyncIterator[GatewaySettings]:
+async def with_local_router(settings: GatewaySettings) -> AsyncIterator[Served]:
     """``settings`` as the gateway runs them: with router_transport ``local``, the
-    in-process router (:class:`LocalRouter`) runs for the block and is the one router
-    target; otherwise unchanged."""
+    in-process router (:class:`LocalRouter`) runs for the block, is the one router target
+    (readiness and Abort reach its gRPC port) and its core is what the gateway calls;
+    otherwise unchanged."""
     if settings.router_transport != "local":
-        yield settings
+        yield Served(settings)
         return
     router = LocalRouter(local_router_settings(settings))
     await router.start()
     try:
-        yield settings.model_copy(update={"router_targets": [router.target]})
+        yield Served(settings.model_copy(update={"router_targets": [router.target]}), router.router)
     finally:
         await router.stop()
 
@@ -202,8 +231,9 @@ async def serve(settings: GatewaySettings, stop_event: asyncio.Event | None = No
         await _serve(served, stop_event)
 
 
-async def _serve(settings: GatewaySettings, stop_event: asyncio.Event | None) -> None:
-    gateway = await create_gateway(settings)
+async def _serve(served: Served, stop_event: asyncio.Event | None) -> None:
+    settings = served.settings
+    gateway = await create_gateway(settings, local_router=served.router)
     http_runner = None
 
     async def warmup() -> None:

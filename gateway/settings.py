@@ -43,8 +43,9 @@ class GatewaySettings(RequestLimitSettings, ServerSettings):
     router answers with one frame per step for all of them; a broken session resumes its
     requests elsewhere), ``calls`` (one Generate call per request, one message per token)
     or ``local`` (no router tier: the gateway runs a router in its own process and event
-    loop with the settings of ``local_router``, reached by Session on a loopback port;
-    router_targets is then unused). Under ``session`` a router replica without Session
+    loop with the settings of ``local_router`` and calls its core directly, each step's
+    tokens handed over in the process; its loopback port serves readiness; router_targets
+    is then unused). Under ``session`` a router replica without Session
     (an older release, during a rolling upgrade) gets calls on its own, and is asked for
     Session again after a minute."""
     local_router: dict[str, Any] = Field(default_factory=dict)

@@ -117,14 +117,19 @@ async def serve(
     *,
     stop_event: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
+    on_built: Callable[[RouterServer], None] | None = None,
 ) -> None:
     """Run the router until SIGTERM/SIGINT (or ``stop_event``).
 
     Warm-up connects the workers and waits briefly for one to be healthy. From then on
     readiness follows the workers: NOT_SERVING while no worker can serve (requests would
     get UNAVAILABLE), SERVING again as soon as one can (see ``readiness_by_name``).
+    ``on_built`` gets the server before it starts (the gateway's in-process router calls
+    its core directly).
     """
     server = await build_server(settings)
+    if on_built is not None:
+        on_built(server)
 
     async def warmup() -> None:
         await server.router.start()

@@ -115,7 +115,7 @@ async def gateway_in_process(settings: Any) -> AsyncIterator[str]:
 
         async def build() -> tuple[Any, Any]:
             nonlocal gateway
-            gateway = await create_gateway(served)
+            gateway = await create_gateway(served.settings, local_router=served.router)
             return gateway.handle, gateway
 
         async with running_server(build, tier="gateway") as (handle, _, _):
