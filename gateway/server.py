@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.audit import AuditLog
 from gateway.core import GatewayConfig, GatewayCore
@@ -32,12 +32,14 @@ from services.postprocessor.server import build_core as build_postprocessor_core
 from services.postprocessor.server import warm_up as warm_up_postprocessor
 from services.postprocessor.settings import PostprocessorSettings
 from services.router.core import Router
-from services.router.server import RouterServer
 from services.router.settings import RouterSettings
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.server import build_core as build_tokenizer_core
 from services.tokenizer.server import warm_up as warm_up_tokenizer
 from services.tokenizer.settings import TokenizerSettings
+
+if TYPE_CHECKING:
+    from services.router.server import RouterServer
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +213,7 @@ class Served:
 async def with_local_router(settings: GatewaySettings) -> AsyncIterator[Served]:
     """``settings`` as the gateway runs them: with router_transport ``local``, the
     in-process router (:class:`LocalRouter`) runs for the block, is the one router target
-    (readiness and Abort reach its gRPC port) and its core is what the gateway calls;
+    (readiness reaches its gRPC port) and its core is what the gateway calls;
     otherwise unchanged."""
     if settings.router_transport != "local":
         yield Served(settings)

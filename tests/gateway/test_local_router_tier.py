@@ -87,65 +87,66 @@ async def mesh() -> AsyncIterator[tuple[RouterUnderTest, RunningFake]]:
         await fake.stop()
 
 
-def _local_requests(code: str) -> float:
+@pytest.fixture
+async def both(mesh: tuple[RouterUnderTest, RunningFake]) -> AsyncIterator[tuple[LocalRouterTier,
+                                                                                SessionRouterTier]]:
+    """The direct link to the mesh's router, and a router Session to its port."""
+    rut, _ = mesh
+    remote = SessionRouterTier([f"127.0.0.1:{rut.server.port}"])
+    try:
+        yield LocalRouterTier(rut.router), remote
+    finally:
+        await remote.close()
+
+
+def _requests(code: str, transport: str = "local") -> float:
     value = REGISTRY.get_sample_value("llmesh_rpc_requests_total", {
-        "tier": "router", "method": "Generate", "code": code, "transport": "local"})
+        "tier": "router", "method": "Generate", "code": code, "transport": transport})
     return value or 0.0
 
 
-async def test_tokens_and_final_as_over_a_session(mesh: tuple[RouterUnderTest, RunningFake]) -> None:
-    rut, fake = mesh
-    local = LocalRouterTier(rut.router)
-    remote = SessionRouterTier([f"127.0.0.1:{rut.server.port}"])
-    before = _local_requests("OK")
-    try:
-        prompt = [5, 6, 7]
-        sink = Sink()
-        mine, final = await run(local, generation(prompt, 12, "direct-1"), sink=sink)
-        # The steady state: plain token ids of each step, no RouterDelta built.
-        assert mine == expected_tokens(prompt, 12) and sink.steps >= 1 and sink.deltas == 0
-        # Without an on_delta the deltas are yielded.
-        yielded, _ = await run(local, generation(prompt, 12, "direct-2"))
-        theirs, their_final = await run(remote, generation(prompt, 12, "session-1"), sink=Sink())
-        assert yielded == theirs == mine
-        assert final.final.finish_reason is their_final.final.finish_reason is FinishReason.LENGTH
-        assert final.final.completion_tokens == their_final.final.completion_tokens == 12
-        assert final.served_by.worker_id == their_final.served_by.worker_id
-        # Resume after tokens an earlier router delivered: the rest of the same text.
-        rest, _ = await run(local, generation(prompt, 12, "direct-3"), sink=Sink(), resume=mine[:5],
-                            resumed=5)
-        assert rest == mine[5:]
-        # Counted as the router's requests, in this process; no Session call on its port
-        # but the one the session tier opened.
-        assert _local_requests("OK") - before == 3
-        assert fake.worker.session_calls >= 1
-        assert remote.links_opened == 1
-    finally:
-        await remote.close()
+async def test_tokens_and_final_as_over_a_session(both: tuple[LocalRouterTier, SessionRouterTier]) -> None:
+    local, remote = both
+    before, before_session = _requests("OK"), _requests("OK", "session")
+    prompt = [5, 6, 7]
+    sink = Sink()
+    mine, final = await run(local, generation(prompt, 12, "direct-1"), sink=sink)
+    # The steady state: plain token ids of each step, no RouterDelta built.
+    assert mine == expected_tokens(prompt, 12) and sink.steps >= 1 and sink.deltas == 0
+    # Without an on_delta the deltas are yielded.
+    yielded, _ = await run(local, generation(prompt, 12, "direct-2"))
+    theirs, their_final = await run(remote, generation(prompt, 12, "session-1"), sink=Sink())
+    assert yielded == theirs == mine
+    assert final.final.finish_reason is their_final.final.finish_reason is FinishReason.LENGTH
+    assert final.final.completion_tokens == their_final.final.completion_tokens == 12
+    assert final.served_by.worker_id == their_final.served_by.worker_id
+    # Resume after tokens an earlier router delivered: the rest of the same text.
+    rest, _ = await run(local, generation(prompt, 12, "direct-3"), sink=Sink(), resume=mine[:5],
+                        resumed=5)
+    assert rest == mine[5:]
+    # Counted as the router's requests, the direct ones as in this process: the only
+    # request the router's Session served is the session tier's.
+    assert _requests("OK") - before == 3
+    assert _requests("OK", "session") - before_session == 1
 
 
 async def test_a_worker_refusal_is_the_error_a_session_gives(
-    mesh: tuple[RouterUnderTest, RunningFake],
+    both: tuple[LocalRouterTier, SessionRouterTier],
 ) -> None:
-    rut, _ = mesh
-    local = LocalRouterTier(rut.router)
-    remote = SessionRouterTier([f"127.0.0.1:{rut.server.port}"])
-    try:
-        refused = generation([1, 2], 4, temperature=3.0)
-        with pytest.raises(errors.InvalidArgument) as mine:
-            await run(local, refused, sink=Sink())
-        with pytest.raises(errors.InvalidArgument) as theirs:
-            await run(remote, refused, sink=Sink())
-        # The public field path (the router's "request." stripped), as over the wire.
-        assert [(v.field, v.description) for v in mine.value.violations] == [
-            (v.field, v.description) for v in theirs.value.violations]
-        assert mine.value.violations[0].field == "sampling.temperature"
-        assert str(mine.value) == str(theirs.value)
-        # The tier stays usable.
-        tokens, _ = await run(local, generation([1, 2], 4), sink=Sink())
-        assert tokens == expected_tokens([1, 2], 4)
-    finally:
-        await remote.close()
+    local, remote = both
+    refused = generation([1, 2], 4, temperature=3.0)
+    with pytest.raises(errors.InvalidArgument) as mine:
+        await run(local, refused, sink=Sink())
+    with pytest.raises(errors.InvalidArgument) as theirs:
+        await run(remote, refused, sink=Sink())
+    # The public field path (the router's "request." stripped), as over the wire.
+    assert [(v.field, v.description) for v in mine.value.violations] == [
+        (v.field, v.description) for v in theirs.value.violations]
+    assert mine.value.violations[0].field == "sampling.temperature"
+    assert str(mine.value) == str(theirs.value)
+    # The tier stays usable.
+    tokens, _ = await run(local, generation([1, 2], 4), sink=Sink())
+    assert tokens == expected_tokens([1, 2], 4)
 
 
 async def test_the_deadline_ends_the_request_and_aborts_it_on_the_worker(
@@ -157,7 +158,7 @@ async def test_the_deadline_ends_the_request_and_aborts_it_on_the_worker(
     with pytest.raises(errors.DeadlineExceeded, match="router: the request's deadline passed on the router"):
         await run(local, generation([3, 4], 200, "late"), timeout=0.3, sink=Sink())
     await wait_for(lambda: "late" not in fake.worker.running)
-    assert _local_requests("DEADLINE_EXCEEDED") >= 1
+    assert _requests("DEADLINE_EXCEEDED") >= 1
 
 
 async def test_leaving_early_and_abort_by_id_stop_the_worker_request(
