@@ -54,11 +54,16 @@ def engine_sampling(s: Sampling) -> common_pb2.EngineSampling:
     return generation_convert.sampling_to_proto(s)
 
 
-def token_request(g: TokenGeneration) -> common_pb2.TokenRequest:
-    return generation_convert.request_to_proto(TokenRequest(
+def token_request_of(g: TokenGeneration) -> TokenRequest:
+    """The generation as every tier below the gateway takes it (the shared domain type)."""
+    return TokenRequest(
         request_id=g.request_id, model=g.model, prompt_token_ids=tuple(g.prompt_token_ids),
         sampling=g.sampling, priority=g.priority,
-    ))
+    )
+
+
+def token_request(g: TokenGeneration) -> common_pb2.TokenRequest:
+    return generation_convert.request_to_proto(token_request_of(g))
 
 
 def router_generate_request(g: TokenGeneration, resume_token_ids: list[int], resumed: int

@@ -31,10 +31,11 @@ from collections.abc import AsyncGenerator, Callable
 
 from opentelemetry import trace
 
+from gateway.convert import token_request_of
 from gateway.tiers import ROUTER_FIELD_PREFIXES, request_error
 from gateway.types import RouterDelta, RouterFinal, TokenGeneration, TokenLogprob, TopLogprob
 from services.common import errors
-from services.common.generation import Delta, TokenRequest
+from services.common.generation import Delta
 from services.common.generation import TokenLogprob as EngineLogprob
 from services.common.metrics import record_request
 from services.common.tracing import tracer
@@ -49,12 +50,8 @@ _Item = RouterDelta | RouterFinal | BaseException
 def route_request(request: TokenGeneration, resume_token_ids: list[int], resumed: int) -> RouteRequest:
     """One generation (or its resumption after ``resume_token_ids``) as the router core
     takes it: the domain form of the router's GenerateRequest."""
-    return RouteRequest(
-        request=TokenRequest(request_id=request.request_id, model=request.model,
-                             prompt_token_ids=tuple(request.prompt_token_ids), sampling=request.sampling,
-                             priority=request.priority),
-        resume_token_ids=tuple(resume_token_ids), resumed=resumed, tenant=request.tenant,
-    )
+    return RouteRequest(request=token_request_of(request), resume_token_ids=tuple(resume_token_ids),
+                        resumed=resumed, tenant=request.tenant)
 
 
 def _logprobs(items: list[EngineLogprob] | None) -> list[TokenLogprob]:

@@ -538,7 +538,8 @@ def _paired_throughput(opts: BenchOptions, drivers: dict[str, Any],
         blocks = asyncio.run(alternating_blocks(drivers, meters, opts.paired_blocks, c, workload, warm,
                                                 gap_s=opts.paired_gap_s, on_block=bar.update))
     systems = {name: merged_level([lv for n, lv in blocks if n == name]).summary() for name in drivers}
-    tok_s = {name: [lv.summary()["output_tokens_per_s"] for n, lv in blocks if n == name] for name in drivers}
+    summaries = [(n, lv.summary()) for n, lv in blocks]
+    tok_s = {name: [s["output_tokens_per_s"] for n, s in summaries if n == name] for name in drivers}
     pair_ratios = [ratio(a, b) for a, b in zip(tok_s["llmesh"], tok_s["reference"], strict=True)]
 
     def serving(name: str) -> float:
@@ -549,9 +550,9 @@ def _paired_throughput(opts: BenchOptions, drivers: dict[str, Any],
         "blocks_per_system": opts.paired_blocks,
         "requests_per_block": per_block,
         "order": [n for n, _ in blocks],
-        "blocks": [{"system": n, **{k: lv.summary()[k] for k in _BLOCK_KEYS},
-                    "serving_cpu_us_per_token": lv.summary().get("serving_cpu_us_per_token")}
-                   for n, lv in blocks],
+        "blocks": [{"system": n, **{k: s[k] for k in _BLOCK_KEYS},
+                    "serving_cpu_us_per_token": s.get("serving_cpu_us_per_token")}
+                   for n, s in summaries],
         "llmesh": systems["llmesh"],
         "reference": systems["reference"],
         "output_tokens_per_s_ratio": ratio(systems["llmesh"]["output_tokens_per_s"],
