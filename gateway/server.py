@@ -275,4 +275,5 @@ async def _serve(served: Served, stop_event: asyncio.Event | None) -> None:
         gateway.handle, tier="gateway", grace_seconds=settings.grace_seconds, warmup=warmup,
         close=[close_http, routers.close, gateway.close], stop_event=stop_event,
         drain_seconds=settings.drain_seconds, freeze_heap=True, latency_slice_us=settings.latency_slice_us,
+        latency_nice=settings.latency_nice,
     )

@@ -155,16 +155,17 @@ def local_router_settings(settings: GatewaySettings) -> RouterSettings:
     """The in-process router's settings (router_transport ``local``): ``local_router``'s,
     listening on loopback in plaintext on a port it picks, without a metrics server of its
     own (its metrics are in the gateway's registry), without a drain of its own (the
-    gateway drained before it stops) and without a scheduler slice of its own (the
-    gateway's ``latency_slice_us`` is the process's); its TLS to the workers is the gateway's
-    (``downstream_tls_*``) unless ``local_router`` sets it. Raises ValueError naming
+    gateway drained before it stops) and without a scheduler slice or nice of its own
+    (the gateway's ``latency_slice_us`` and ``latency_nice`` are the process's); its TLS
+    to the workers is the gateway's (``downstream_tls_*``) unless ``local_router`` sets
+    it. Raises ValueError naming
     ``local_router.<field>``."""
     # TLS to the workers: the gateway's own unless local_router names the router's.
     inherited = {key: getattr(settings, key)
                  for key in ("downstream_tls_ca", "downstream_tls_cert", "downstream_tls_key")}
     values = {**inherited, **settings.local_router, "host": LOCAL_ROUTER_HOST, "port": 0,
               "metrics_port": -1, "tls_cert": "", "tls_key": "", "tls_client_ca": "", "drain_seconds": 0.0,
-              "latency_slice_us": 0}
+              "latency_slice_us": 0, "latency_nice": 0}
     unknown = sorted(set(settings.local_router) - set(RouterSettings.model_fields))
     if unknown:
         raise ValueError(f"local_router.{unknown[0]}: not a router setting")

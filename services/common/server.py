@@ -193,6 +193,7 @@ async def run_until_signal(
     on_started: Callable[[int], None] | None = None,
     freeze_heap: bool = False,
     latency_slice_us: int = 0,
+    latency_nice: int = 0,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop_event``), then shut down in order.
 
@@ -208,8 +209,9 @@ async def run_until_signal(
     ``freeze_heap`` (a tier's own process, not a server inside a test): what the imports
     made is frozen out of the garbage collector before the server starts, what the warm-up
     made before ready, and full collections are timed from then on
-    (services/common/gcpause.py). ``latency_slice_us`` (the tier's setting): the scheduler
-    slice the process's threads ask for after the warm-up (services/common/schedslice.py).
+    (services/common/gcpause.py). ``latency_slice_us`` and ``latency_nice`` (the tier's
+    settings): the scheduler slice and nice value the process's threads ask for after the
+    warm-up (services/common/schedslice.py).
     """
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -250,8 +252,8 @@ async def run_until_signal(
                 freeze_startup_heap(tier, "warm-up")
                 watch_full_collections(tier)
             # After the warm-up: a process it started (the worker's engine core) keeps the
-            # kernel's slice, so the engine yields to this tier's wake-ups.
-            apply_slice(latency_slice_us, tier=tier)
+            # kernel's slice and its nice, so the engine yields to this tier's wake-ups.
+            apply_slice(latency_slice_us, tier=tier, nice=latency_nice)
             if handle.readiness is None:
                 await handle.set_ready(True)
             else:  # ready while what it depends on can serve (see ServerHandle.readiness)

@@ -85,6 +85,12 @@ class ServerSettings(BaseSettings):
     on a core the engine keeps busy then runs at once instead of after the engine's slice
     (1.4 ms on 2 CPUs), hop by hop of a request's way (services/common/schedslice.py).
     0 keeps the kernel's default. A worker's engine processes keep the default."""
+    latency_nice: int = Field(default=-10, ge=-20, le=0)
+    """Nice value the process's threads ask for with the slice, once warmed up: below 0 a
+    tier's short bursts of work come before an engine's compute on a shared core, so a
+    reply is not preempted half-way by the engine's next step. Needs CAP_SYS_NICE (root,
+    or the capability granted); without it the process logs it and keeps its nice. 0
+    keeps the nice the process started with. A worker's engine processes keep theirs."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """Event loop of the process: uvloop (the loop vLLM's own server runs on; less CPU per
     message) or asyncio (the standard library's). Without uvloop installed: asyncio."""

@@ -73,4 +73,5 @@ async def serve(settings: PostprocessorSettings, *, stop_event: asyncio.Event | 
         stop_event=stop_event,
         freeze_heap=True,
         latency_slice_us=settings.latency_slice_us,
+        latency_nice=settings.latency_nice,
     )

@@ -146,6 +146,7 @@ async def serve(
         on_started=on_started,
         freeze_heap=True,
         latency_slice_us=settings.latency_slice_us,
+        latency_nice=settings.latency_nice,
     )
 
 

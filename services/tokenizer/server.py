@@ -68,4 +68,5 @@ async def serve(settings: TokenizerSettings, *, stop_event: asyncio.Event | None
         stop_event=stop_event,
         freeze_heap=True,
         latency_slice_us=settings.latency_slice_us,
+        latency_nice=settings.latency_nice,
     )

@@ -400,6 +400,7 @@ async def run_worker(ws: WorkerServer) -> int:
             close=[close_monitor, close_engine], stop_event=ws.stop_event,
             drain_seconds=settings.drain_seconds, freeze_heap=True,
             latency_slice_us=settings.latency_slice_us,
+            latency_nice=settings.latency_nice,
         )
     except Exception:
         log.exception("worker failed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -210,22 +211,35 @@ async def test_a_gateway_with_everything_in_process_gives_the_meshs_text_real_en
 
 
 def test_the_tiers_take_a_short_scheduler_slice_and_the_engine_keeps_the_kernels(engine_mesh):
-    """Every tier process asks for latency_slice_us (300 µs) once warmed up; the worker's
-    vLLM engine core, started during the worker's warm-up, keeps the kernel's slice, so the
-    engine's compute yields to the tiers' wake-ups (services/common/schedslice.py)."""
+    """Every tier process asks for latency_slice_us (300 µs) and latency_nice (-10) once
+    warmed up; the worker's vLLM engine core, started during the worker's warm-up, keeps
+    the kernel's slice and nice 0, so the engine's compute yields to the tiers' wake-ups
+    (services/common/schedslice.py). The nice only where this process may raise one."""
     from services.common.schedslice import thread_slice_ns
 
     worker = next(p for p in engine_mesh.procs if p.tier == "worker")
     if thread_slice_ns(worker.pid) is None:
         pytest.skip("this kernel reports no se.slice (no EEVDF custom slices)")
+    privileged = os.geteuid() == 0
     for proc in engine_mesh.procs:
         assert thread_slice_ns(proc.pid) == 300_000, proc.name
+        nices = _thread_nices(proc.pid)
+        assert nices == ({-10} if privileged else {0}), (proc.name, nices)
     engine = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(worker.pid)], capture_output=True,
                                                  text=True).stdout.split()]
     assert engine, "the worker's engine core process"
     for pid in engine:
         threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         assert all(thread_slice_ns(t) != 300_000 for t in threads), pid
+        assert _thread_nices(pid) == {0}, pid
+
+
+def _thread_nices(pid: int) -> set[int]:
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended
+            nices.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return nices
 
 
 async def test_a_coalesced_stream_is_the_interval_one_text_real_engine(engine_channel):

@@ -156,7 +156,7 @@ def test_the_in_process_router_listens_on_loopback_in_plaintext_without_a_drain(
     router = local_router_settings(settings)
     assert (router.host, router.port, router.metrics_port, router.tls_cert, router.drain_seconds) == (
         "127.0.0.1", 0, -1, "", 0.0)
-    assert router.latency_slice_us == 0  # the process's slice is the gateway's
+    assert router.latency_slice_us == 0 and router.latency_nice == 0  # the process's are the gateway's
     assert router.batch_max_wait_ms == 3  # the rest is the router's own
     # TLS to the workers: the gateway's, unless the router's own is named.
     secure = {"downstream_tls_ca": "ca.pem", "downstream_tls_cert": "gw.pem",
