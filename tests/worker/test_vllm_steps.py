@@ -393,6 +393,32 @@ async def test_internals_are_where_the_adapter_expects_them(counted: Counted) ->
 
 
 @pytest.mark.engine
+async def test_a_submission_is_checked_inline_without_the_renderers_thread_pool(
+        counted: Counted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker hands vLLM token ids as an engine input (``type: token``): AsyncLLM
+    checks it in the caller's task. A raw prompt would go through the renderer's thread
+    pool (``process_inputs_async``), a thread hop on every first token."""
+    processor = counted.engine.llm.input_processor
+    inline, pooled = [], []
+    process_inputs = processor.process_inputs
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        inline.append(asyncio.current_task())
+        return process_inputs(*args, **kwargs)
+
+    async def thread_pool(*args: Any, **kwargs: Any) -> Any:
+        pooled.append(args)
+        raise AssertionError("the submission went through the renderer's thread pool")
+
+    monkeypatch.setattr(processor, "process_inputs", recorded)
+    monkeypatch.setattr(processor, "process_inputs_async", thread_pool)
+    (recorder,) = await via_start(counted, [greedy("inline", PROMPTS[0], 4)])
+    assert len(recorder.tokens) >= 1
+    assert not pooled and len(inline) == 1 and inline[0] is not None
+    await wait_engine_idle(counted.engine)
+
+
+@pytest.mark.engine
 async def test_every_request_of_a_step_reaches_its_sink_in_one_handler_call(counted: Counted) -> None:
     max_tokens = 12
     requests = [greedy(f"step-{i}", p, max_tokens, ignore_eos=True) for i, p in enumerate(PROMPTS)]
