@@ -158,8 +158,7 @@ def local_router_settings(settings: GatewaySettings) -> RouterSettings:
     gateway drained before it stops) and without a scheduler slice or nice of its own
     (the gateway's ``latency_slice_us`` and ``latency_nice`` are the process's); its TLS
     to the workers is the gateway's (``downstream_tls_*``) unless ``local_router`` sets
-    it. Raises ValueError naming
-    ``local_router.<field>``."""
+    it. Raises ValueError naming ``local_router.<field>``."""
     # TLS to the workers: the gateway's own unless local_router names the router's.
     inherited = {key: getattr(settings, key)
                  for key in ("downstream_tls_ca", "downstream_tls_cert", "downstream_tls_key")}
