@@ -20,7 +20,7 @@ it) to the first text, the engine's prefill between left out; then the threads t
 a CPU while ours waited in those two, summed over all requests. A thread "waits" from its
 wake-up, or from being preempted while runnable, to its next switch onto a CPU.
 
-The trace buffer is 64 MiB per CPU; the tracing state is restored at the end. Not a test:
+The trace buffer is 64 MiB per CPU; tracefs's state is put back at the end. Not a test:
 it asserts nothing.
 """
 
@@ -65,17 +65,20 @@ def _write(name: str, value: str) -> None:
 
 
 class Trace:
-    """The scheduler's switch and wake-up events, recorded while on."""
+    """The scheduler's switch and wake-up events, recorded while on; what tracefs had
+    before (clock, buffer size, whether tracing was on and these events enabled) is put
+    back on leaving."""
 
     def __init__(self) -> None:
-        self._saved = {name: (TRACING / name).read_text().split("[")[-1].split("]")[0]
-                       for name in ("trace_clock",)}
-        self._saved_size = (TRACING / "buffer_size_kb").read_text().split()[0]
+        self._clock = (TRACING / "trace_clock").read_text().split("[")[1].split("]")[0]
+        self._size = (TRACING / "buffer_size_kb").read_text().split()[0]
+        self._on = (TRACING / "tracing_on").read_text().strip()
+        self._enabled = {e: (TRACING / "events/sched" / e / "enable").read_text().strip() for e in EVENTS}
 
     def __enter__(self) -> Trace:
         _write("tracing_on", "0")
         _write("trace", "")
-        _write("trace_clock", "mono")
+        _write("trace_clock", "mono")  # CLOCK_MONOTONIC, as the frames' timestamps
         _write("buffer_size_kb", "65536")
         for event in EVENTS:
             (TRACING / "events/sched" / event / "enable").write_text("1")
@@ -89,11 +92,12 @@ class Trace:
 
     def __exit__(self, *exc: object) -> None:
         _write("tracing_on", "0")
-        for event in EVENTS:
-            (TRACING / "events/sched" / event / "enable").write_text("0")
+        for event, enabled in self._enabled.items():
+            (TRACING / "events/sched" / event / "enable").write_text(enabled)
         _write("trace", "")
-        _write("trace_clock", self._saved["trace_clock"])
-        _write("buffer_size_kb", self._saved_size)
+        _write("trace_clock", self._clock)
+        _write("buffer_size_kb", self._size)
+        _write("tracing_on", self._on)
 
 
 def _engine_wakeups(trace: Path) -> list[int]:
