@@ -30,14 +30,12 @@ import argparse
 import asyncio
 import collections
 import json
-import math
 import os
 import re
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,24 +168,6 @@ def analyse(trace: Path, ours: dict[int, str], requests: list[Request]) -> colle
     return held
 
 
-async def _drive(url: str, model: str, prompts: list[tuple[str, int]], gap_s: float, warmup: int,
-                 trace: Trace) -> list[Request]:
-    from llmesh.bench_load import BenchRequest, OpenAIHttpDriver
-
-    timed: list[Request] = []
-    async with OpenAIHttpDriver(url, model, timeout_s=120) as driver:
-        for i, (prompt, max_tokens) in enumerate(prompts):
-            if i == warmup:
-                trace.on(True)
-            await asyncio.sleep(gap_s)
-            sent = time.monotonic_ns()
-            result = await driver(BenchRequest(index=i, prompt=prompt, max_tokens=max_tokens))
-            if i >= warmup and result.ok and math.isfinite(result.ttft_s):
-                timed.append(Request(sent, sent + int(result.ttft_s * 1e9)))
-    trace.on(False)
-    return timed
-
-
 def report(requests: list[Request], held: collections.Counter[str]) -> None:
     requests = [r for r in requests if any(label == "worker:send:MESSAGE" for _, label in r.frames)]
     print(f"{'TTFT':>9} {'frame->text':>11} {'wait in':>8} {'wait out':>8}   (µs; waits summed over "
@@ -244,8 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [(r.prompt, r.max_tokens) for r in workload]
         print(f"starting a real-engine mesh ({args.layout} layout)", file=sys.stderr)
         with Trace() as trace, bench._started_mesh(bench._engine_mesh_config(opts), work / "logs") as mesh:
-            requests = asyncio.run(_drive(mesh.state()["http"], opts.model_name, prompts, args.gap_s,
-                                          warmup, trace))
+            timed = asyncio.run(first_token_timeline._drive_http(
+                mesh.state()["http"], opts.model_name, prompts, warmup, args.gap_s,
+                on_measured=lambda: trace.on(True), timeout_s=120))
+            trace.on(False)
+            requests = [Request(sent, first) for sent, first in timed]
             trace.save(work / "trace.txt")
             ours = {int(tid): proc.tier for proc in mesh.procs
                     for tid in os.listdir(f"/proc/{proc.pid}/task")}

@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HOOK = '''
@@ -176,14 +177,18 @@ async def _drive(target: str, model: str, prompts: list[tuple[str, int]], warmup
 
 
 async def _drive_http(url: str, model: str, prompts: list[tuple[str, int]], warmup: int,
-                      gap_s: float) -> list[tuple[int, int]]:
+                      gap_s: float, on_measured: Callable[[], None] | None = None,
+                      timeout_s: float = 60) -> list[tuple[int, int]]:
     """Over HTTP: the streamed ``/v1/completions`` of ``llmesh bench``'s client, whose time
-    to first token counts from just after the send time noted here."""
+    to first token counts from just after the send time noted here. ``on_measured`` is
+    called once the warm-ups are done, before the first measured request."""
     from llmesh.bench_load import BenchRequest, OpenAIHttpDriver
 
     timed: list[tuple[int, int]] = []
-    async with OpenAIHttpDriver(url, model, timeout_s=60) as driver:
+    async with OpenAIHttpDriver(url, model, timeout_s=timeout_s) as driver:
         for i, (prompt, max_tokens) in enumerate(prompts):
+            if i == warmup and on_measured is not None:
+                on_measured()
             await asyncio.sleep(gap_s)
             sent = time.monotonic_ns()
             result = await driver(BenchRequest(index=i, prompt=prompt, max_tokens=max_tokens))

@@ -91,9 +91,8 @@ def apply_slice(slice_us: int, *, tier: str, nice: int = 0) -> int:
                         tier, slice_us, os.strerror(err))
             return done
         done += 1
-    log.info("%s: %s on %d threads", tier,
-             ", ".join(([f"{slice_us} µs scheduler slice"] if slice_us > 0 else [])
-                       + ([f"nice {nice}"] if nice < 0 else [])) or "no change", done)
+    log.info("%s: scheduler slice %s µs (0: the kernel's), nice %s on %d threads", tier, slice_us,
+             nice if nice < 0 else "unchanged", done)
     return done
 
 
